@@ -1,0 +1,20 @@
+# `make run` and `make test` are the two commands of the README; both set up .venv first.
+.PHONY: setup run test bench lint
+
+setup:
+	@bash scripts/setup.sh
+
+run: setup
+	.venv/bin/kairos demo
+
+test: setup
+	.venv/bin/python -m pytest
+
+bench: setup
+	.venv/bin/python -m kairos_ray.bench.decision --decode-nodes 2 --json
+	.venv/bin/python -m kairos_ray.bench.decision --decode-nodes 64 --json
+
+lint: setup
+	.venv/bin/ruff check kairos_ray tests
+	.venv/bin/ruff format --check kairos_ray tests
+	.venv/bin/mypy kairos_ray

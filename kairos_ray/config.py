@@ -1,0 +1,183 @@
+"""Configuration: one pydantic model tree for the simulator, the CLI and the Serve app.
+
+Every section forbids unknown keys, so a typo fails loudly. Invalid values fail
+with a message that names the field and quotes the value (``format_errors``).
+The tree turns into the core's plain ``PolicyParams`` and a ready ``Policy``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kairos_ray.core import Policy, PolicyParams, StepLatencyModel, Thresholds, make_policy, parse_spec
+
+SHIPPED_PROFILES = resources.files("kairos_ray") / "profiles"
+
+
+def shipped_profile_names() -> list[str]:
+    """Names of the step-latency profiles that ship with the package (file stems)."""
+    return sorted(p.name.removesuffix(".json") for p in SHIPPED_PROFILES.iterdir() if p.name.endswith(".json"))
+
+
+def resolve_profile(name_or_path: str) -> Path:
+    """A profile file path, given a path or the name of a shipped profile."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    shipped = SHIPPED_PROFILES / f"{name_or_path}.json"
+    if shipped.is_file():
+        return Path(str(shipped))
+    raise ValueError(
+        f"no profile file {name_or_path!r} (and no shipped profile of that name; shipped: "
+        f"{', '.join(shipped_profile_names())})"
+    )
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SLOConfig(_Section):
+    """Service-level objectives, checked together (paper: P95 TTFT <= 4 s and P95 TBT <= 70 ms)."""
+
+    ttft_s: float = Field(4.0, gt=0, description="TTFT objective, seconds")
+    tbt_s: float = Field(0.070, gt=0, description="time-between-tokens objective tau, seconds")
+
+
+class ThresholdsConfig(_Section):
+    """Thresholds of the static baselines when the policy name carries none (``sq`` rather than ``sq:4``)."""
+
+    sq_queued_requests: int = Field(1, ge=1, description="SQ(theta): deflect when the shortest queue holds >= theta")
+    sl_prompt_tokens: int = Field(1024, ge=1, description="SL(l): deflect prompts of <= l tokens")
+
+
+class PolicyConfig(_Section):
+    """Which routing policy decides, and its knobs."""
+
+    name: str = Field("kairos", description="policy spec: kairos, pd, sq:<theta>, sl:<tokens>")
+    alpha: float = Field(1.2, ge=1, description="deflect only if alpha * TTFT_dec < TTFT_pf (clearly faster)")
+    beta: float = Field(0.9, gt=0, description="TBT safety factor: each step must fit beta * tbt_s (Eq. 5)")
+    chunk_candidates: tuple[int, ...] = Field(
+        (2048, 1024, 512, 256, 128, 64), description="chunk sizes LargestSafe may pick, strictly decreasing"
+    )
+    prefill_estimator: Literal["exact", "paper"] = Field(
+        "exact", description="prefill TTFT estimator: 'paper' (Eq. 1-2) or 'exact' (walks the FIFO)"
+    )
+    static_chunk_tokens: int = Field(512, ge=1, description="fixed chunk the sq/sl baselines deflect with")
+    thresholds: ThresholdsConfig = ThresholdsConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        parse_spec(value)
+        return value
+
+    @field_validator("chunk_candidates")
+    @classmethod
+    def _strictly_decreasing(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if not value:
+            raise ValueError("chunk_candidates must not be empty, got []")
+        if any(c < 1 for c in value):
+            raise ValueError(f"chunk_candidates must all be >= 1, got {list(value)}")
+        if any(a <= b for a, b in itertools.pairwise(value)):
+            raise ValueError(f"chunk_candidates must be strictly decreasing, got {list(value)}")
+        return value
+
+
+class PredictorConfig(_Section):
+    """Step-latency models (Eq. 4): a shipped profile name or a profile JSON file."""
+
+    profile: str = Field("a100-deepseek-v2-lite", description="decode-node profile (name or path)")
+    prefill_profile: str | None = Field(None, description="prefill-node profile; defaults to `profile`")
+
+    @field_validator("profile", "prefill_profile")
+    @classmethod
+    def _exists(cls, value: str | None) -> str | None:
+        if value is not None:
+            resolve_profile(value)
+        return value
+
+    def load(self) -> tuple[StepLatencyModel, StepLatencyModel]:
+        """(prefill model, decode model)."""
+        decode = StepLatencyModel.load(resolve_profile(self.profile))
+        if self.prefill_profile is None:
+            return decode, decode
+        return StepLatencyModel.load(resolve_profile(self.prefill_profile)), decode
+
+
+class KairosConfig(_Section):
+    """The whole Kairos section."""
+
+    slo: SLOConfig = SLOConfig()
+    policy: PolicyConfig = PolicyConfig()
+    predictor: PredictorConfig = PredictorConfig()
+    prefill_chunk_tokens: int = Field(2048, ge=1, description="chunk size chi_p of the prefill nodes")
+
+    def policy_params(self) -> PolicyParams:
+        p = self.policy
+        return PolicyParams(
+            prefill_chunk_tokens=self.prefill_chunk_tokens,
+            chunk_candidates=p.chunk_candidates,
+            tbt_slo_s=self.slo.tbt_s,
+            alpha=p.alpha,
+            beta=p.beta,
+            prefill_estimator=p.prefill_estimator,
+            static_chunk_tokens=p.static_chunk_tokens,
+        )
+
+    def build_policy(self, spec: str | None = None) -> Policy:
+        """The configured policy, or the one ``spec`` names with this config's knobs."""
+        prefill_model, decode_model = self.predictor.load()
+        t = self.policy.thresholds
+        return make_policy(
+            spec or self.policy.name,
+            self.policy_params(),
+            prefill_model,
+            decode_model,
+            Thresholds(t.sq_queued_requests, t.sl_prompt_tokens),
+        )
+
+
+class ConfigError(ValueError):
+    """A config that failed validation, with one readable line per problem."""
+
+
+def format_errors(exc: ValidationError) -> str:
+    """One line per error: ``dotted.field = value: message``."""
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(part) for part in err["loc"]) or "(top level)"
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{where}: unknown field")
+        else:
+            lines.append(f"{where} = {err['input']!r}: {message}")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict[str, Any] | None) -> KairosConfig:
+    """Validate a mapping; raises ``ConfigError`` with ``format_errors`` text."""
+    try:
+        return KairosConfig.model_validate(data or {})
+    except ValidationError as exc:
+        raise ConfigError(format_errors(exc)) from None
+
+
+def load_config(path: str | Path) -> KairosConfig:
+    """Read and validate a YAML file holding the Kairos section."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (slo, policy, ...), got {type(data).__name__}")
+    try:
+        return parse_config(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}:\n{exc}") from None

@@ -1,0 +1,43 @@
+"""The Kairos scheduling core: pure functions and frozen snapshots, shared by the simulator and the live router.
+
+Imports only the standard library and numpy: no ray, vllm, torch, scikit-learn,
+asyncio or clock. Time and state arrive as arguments.
+"""
+
+from kairos_ray.core.estimate import (
+    PREFILL_ESTIMATORS,
+    decode_ttft_s,
+    prefill_ttft_exact_s,
+    prefill_ttft_paper_s,
+    queue_wait_paper_s,
+)
+from kairos_ray.core.latency import FEATURE_NAMES, StepLatency, StepLatencyModel, StepwiseLatency, features
+from kairos_ray.core.policy import POLICIES, Policy, PolicyParams, Thresholds, make_policy, parse_spec
+from kairos_ray.core.state import ClusterView, Decision, DecodeNodeView, PrefillNodeView, Route, apply_decision
+from kairos_ray.core.sweep import tbt_safe_schedule
+
+__all__ = [
+    "FEATURE_NAMES",
+    "POLICIES",
+    "PREFILL_ESTIMATORS",
+    "ClusterView",
+    "Decision",
+    "DecodeNodeView",
+    "Policy",
+    "PolicyParams",
+    "PrefillNodeView",
+    "Route",
+    "StepLatency",
+    "StepLatencyModel",
+    "StepwiseLatency",
+    "Thresholds",
+    "apply_decision",
+    "decode_ttft_s",
+    "features",
+    "make_policy",
+    "parse_spec",
+    "prefill_ttft_exact_s",
+    "prefill_ttft_paper_s",
+    "queue_wait_paper_s",
+    "tbt_safe_schedule",
+]

@@ -1,0 +1,330 @@
+"""Routing policies behind one interface, ``decide(prompt_tokens, view) -> Decision``.
+
+- ``kairos``: Algorithm 1. Estimate TTFT on the best prefill node (Eq. 1-2);
+  for every decode node with KV room, build the LargestSafe schedule (Eq. 5)
+  behind the deflections already committed there and price it (Eq. 6); take
+  the fastest feasible node n*, and deflect only when it beats the prefill path
+  by the margin alpha: alpha * TTFT_dec(n*) < TTFT_pf.
+- ``pd``: plain disaggregation, never deflects.
+- ``sq:<theta>``: deflects when the shortest prefill queue holds >= theta requests.
+- ``sl:<tokens>``: deflects prompts of at most that many tokens.
+
+The static ``sq`` and ``sl`` policies check no TBT budget (the paper's Table 4
+baselines): they deflect with fixed chunks of ``static_chunk_tokens`` to the
+decode node that would finish the prefill first, among those with KV room.
+
+Every policy sends a prefill-routed request to the prefill node with the
+least estimated TTFT and names the decode node with the most KV headroom.
+``make_policy`` maps spec strings (``"kairos"``, ``"sq:4"``...) to policies so
+the simulator, the Serve router and the CLI share them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from kairos_ray.core.estimate import PREFILL_ESTIMATORS, after_committed, runs_s
+from kairos_ray.core.latency import StepLatency
+from kairos_ray.core.state import ClusterView, Decision, DecodeNodeView, PrefillNodeView, Route
+from kairos_ray.core.sweep import Runs, expand, largest_safe_runs
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyParams:
+    """Knobs shared by all policies (validated at the edge by ``kairos_ray.config``)."""
+
+    prefill_chunk_tokens: int = 2048  # chi_p, the prefill nodes' chunk size
+    chunk_candidates: tuple[int, ...] = (2048, 1024, 512, 256, 128, 64)  # chi_1 > ... > chi_C
+    tbt_slo_s: float = 0.07  # tau
+    alpha: float = 1.2  # deflection margin, >= 1
+    beta: float = 0.9  # TBT safety factor: steps must fit beta * tau
+    prefill_estimator: str = "exact"  # key of PREFILL_ESTIMATORS
+    static_chunk_tokens: int = 512  # fixed chunk of the sq/sl baselines
+
+    @property
+    def tbt_budget_s(self) -> float:
+        return self.beta * self.tbt_slo_s
+
+
+class Policy(Protocol):
+    """A routing policy: pure, deterministic, never mutates the view."""
+
+    spec: str
+
+    def decide(self, prompt_tokens: int, view: ClusterView) -> Decision:
+        """Route one request of ``prompt_tokens`` tokens given the current view."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    """Thresholds for ``sq`` and ``sl`` when their spec names none (``"sq"`` rather than ``"sq:4"``)."""
+
+    sq_queued_requests: int = 1
+    sl_prompt_tokens: int = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeOption:
+    """A priced deflection onto one decode node."""
+
+    node: DecodeNodeView
+    ttft_s: float
+    runs: Runs
+
+
+Planner = Callable[[int, int, float], "tuple[Runs, float] | None"]
+"""(B, K, limit_s) -> (runs, Eq. 6 seconds), or None if infeasible or slower than limit_s."""
+
+
+class _BasePolicy:
+    """Shared plumbing: prefill-path estimate, node choice, decision building."""
+
+    spec = ""
+
+    def __init__(self, params: PolicyParams, prefill_model: StepLatency, decode_model: StepLatency) -> None:
+        self.params = params
+        self.prefill_model = prefill_model
+        self.decode_model = decode_model
+        self._estimate = PREFILL_ESTIMATORS[params.prefill_estimator]
+
+    @classmethod
+    def check_arg(cls, arg: str | None) -> None:
+        """Raise ``ValueError`` unless ``arg`` (the part after ``:`` in a spec) suits this policy."""
+        if arg is not None:
+            raise ValueError(f"policy {cls.spec!r} takes no argument, got {arg!r}")
+
+    @classmethod
+    def build(
+        cls,
+        arg: str | None,
+        thresholds: Thresholds,
+        params: PolicyParams,
+        prefill_model: StepLatency,
+        decode_model: StepLatency,
+    ) -> _BasePolicy:
+        """Construct from a spec's (checked) argument."""
+        policy = cls(params, prefill_model, decode_model)
+        policy._configure(arg, thresholds)
+        return policy
+
+    def _configure(self, arg: str | None, thresholds: Thresholds) -> None:
+        """Take the spec's argument; policies without one have nothing to take."""
+
+    def decide(self, prompt_tokens: int, view: ClusterView) -> Decision:
+        if prompt_tokens < 1:
+            raise ValueError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
+        if not view.prefill or not view.decode:
+            raise ValueError(
+                f"cluster view needs at least one prefill and one decode node, "
+                f"has {len(view.prefill)} prefill and {len(view.decode)} decode"
+            )
+        return self._decide(prompt_tokens, view)
+
+    def _decide(self, prompt_tokens: int, view: ClusterView) -> Decision:
+        raise NotImplementedError
+
+    def _best_prefill(self, prompt_tokens: int, view: ClusterView) -> tuple[PrefillNodeView, float]:
+        """Prefill node with the least estimated TTFT for this request (Eq. 1)."""
+        chunk = self.params.prefill_chunk_tokens
+        best, best_s = view.prefill[0], math.inf
+        for node in view.prefill:
+            seconds = self._estimate(self.prefill_model, node, prompt_tokens, chunk)
+            if seconds < best_s:
+                best, best_s = node, seconds
+        return best, best_s
+
+    def _fastest_deflection(
+        self, prompt_tokens: int, view: ClusterView, plan: Planner
+    ) -> tuple[_DecodeOption | None, int, int]:
+        """Fastest decode option under ``plan``; also counts the nodes short of KV and the infeasible ones."""
+        best: _DecodeOption | None = None
+        lacking_kv = infeasible = 0
+        for node in view.decode:
+            if node.headroom_kv_tokens < prompt_tokens:
+                lacking_kv += 1
+                continue
+            wait_s, batch_size, kv_tokens = after_committed(self.decode_model, node)
+            limit_s = math.inf if best is None else best.ttft_s - wait_s
+            if limit_s <= 0.0:
+                continue  # already slower than the best before its own first step
+            found = plan(batch_size, kv_tokens, limit_s)
+            if found is None:
+                # Only exact while no node is feasible yet, which is when the count is reported.
+                infeasible += 1
+                continue
+            runs, seconds = found
+            if best is None or wait_s + seconds < best.ttft_s:
+                best = _DecodeOption(node, wait_s + seconds, runs)
+        return best, lacking_kv, infeasible
+
+    @staticmethod
+    def _most_headroom(view: ClusterView) -> DecodeNodeView:
+        """Decode node for a disaggregated request: most KV headroom, then smallest batch."""
+        return max(view.decode, key=lambda n: (n.headroom_kv_tokens, -n.batch_size))
+
+    def _to_prefill(
+        self, view: ClusterView, prefill: PrefillNodeView, ttft_pf_s: float, ttft_dec_s: float | None, reason: str
+    ) -> Decision:
+        return Decision(
+            Route.PREFILL, prefill.node_id, self._most_headroom(view).node_id, (), ttft_pf_s, ttft_dec_s, reason
+        )
+
+    @staticmethod
+    def _to_decode(option: _DecodeOption, ttft_pf_s: float, reason: str) -> Decision:
+        return Decision(Route.DEFLECT, None, option.node.node_id, expand(option.runs), ttft_pf_s, option.ttft_s, reason)
+
+
+class KairosPolicy(_BasePolicy):
+    """Algorithm 1: deflect to the fastest TBT-safe decode node when it wins by the margin alpha."""
+
+    spec = "kairos"
+
+    def _decide(self, prompt_tokens: int, view: ClusterView) -> Decision:
+        params = self.params
+        prefill, ttft_pf = self._best_prefill(prompt_tokens, view)
+        option, lacking_kv, infeasible = self._fastest_deflection(
+            prompt_tokens,
+            view,
+            lambda batch_size, kv_tokens, limit_s: largest_safe_runs(
+                self.decode_model,
+                batch_size,
+                kv_tokens,
+                prompt_tokens,
+                params.chunk_candidates,
+                params.tbt_budget_s,
+                limit_s,
+            ),
+        )
+        if option is None:
+            reason = f"no TBT-safe decode node ({infeasible} infeasible, {lacking_kv} short of KV)"
+            return self._to_prefill(view, prefill, ttft_pf, None, reason)
+        if params.alpha * option.ttft_s < ttft_pf:
+            reason = f"decode {option.ttft_s:.3f}s x alpha {params.alpha:g} < prefill {ttft_pf:.3f}s"
+            return self._to_decode(option, ttft_pf, reason)
+        reason = f"decode {option.ttft_s:.3f}s x alpha {params.alpha:g} >= prefill {ttft_pf:.3f}s"
+        return self._to_prefill(view, prefill, ttft_pf, option.ttft_s, reason)
+
+
+class PDPolicy(_BasePolicy):
+    """Plain prefill/decode disaggregation: never deflects."""
+
+    spec = "pd"
+
+    def _decide(self, prompt_tokens: int, view: ClusterView) -> Decision:
+        prefill, ttft_pf = self._best_prefill(prompt_tokens, view)
+        return self._to_prefill(view, prefill, ttft_pf, None, "pd never deflects")
+
+
+class _StaticPolicy(_BasePolicy):
+    """A threshold baseline: when ``_wants_deflection``, deflect in fixed chunks with no TBT check."""
+
+    def _wants_deflection(self, prompt_tokens: int, view: ClusterView) -> tuple[bool, str]:
+        raise NotImplementedError
+
+    def _decide(self, prompt_tokens: int, view: ClusterView) -> Decision:
+        prefill, ttft_pf = self._best_prefill(prompt_tokens, view)
+        wants, why = self._wants_deflection(prompt_tokens, view)
+        if not wants:
+            return self._to_prefill(view, prefill, ttft_pf, None, why)
+        chunk = self.params.static_chunk_tokens
+        full, rest = divmod(prompt_tokens, chunk)
+        fixed: Runs = [(chunk, full)] if full else []
+        if rest:
+            fixed.append((rest, 1))
+        model = self.decode_model
+
+        def plan(batch_size: int, kv_tokens: int, limit_s: float) -> tuple[Runs, float] | None:
+            seconds = runs_s(model, batch_size, kv_tokens, fixed)
+            return (fixed, seconds) if seconds < limit_s else None
+
+        option, lacking_kv, _ = self._fastest_deflection(prompt_tokens, view, plan)
+        if option is None:
+            return self._to_prefill(view, prefill, ttft_pf, None, f"{why}, but {lacking_kv} decode nodes short of KV")
+        return self._to_decode(option, ttft_pf, why)
+
+
+class _ThresholdPolicy(_StaticPolicy):
+    """A static policy with one positive integer threshold, given as ``name:threshold``."""
+
+    name = ""
+    threshold_field = ""  # the ``Thresholds`` field used when the spec names no threshold
+
+    @classmethod
+    def check_arg(cls, arg: str | None) -> None:
+        if arg is None:
+            return
+        try:
+            threshold = int(arg)
+        except ValueError:
+            raise ValueError(f"policy {cls.name}: threshold {arg!r} is not an integer") from None
+        if threshold < 1:
+            raise ValueError(f"policy {cls.name}: threshold must be >= 1, got {threshold}")
+
+    def _configure(self, arg: str | None, thresholds: Thresholds) -> None:
+        self.threshold: int = getattr(thresholds, self.threshold_field) if arg is None else int(arg)
+        self.spec = f"{self.name}:{self.threshold}"
+
+
+class SQPolicy(_ThresholdPolicy):
+    """SQ(theta): deflect when the shortest prefill queue holds at least theta requests."""
+
+    name = "sq"
+    threshold_field = "sq_queued_requests"
+
+    def _wants_deflection(self, prompt_tokens: int, view: ClusterView) -> tuple[bool, str]:
+        shortest = min(node.num_queued for node in view.prefill)
+        if shortest >= self.threshold:
+            return True, f"shortest prefill queue {shortest} >= {self.threshold}"
+        return False, f"shortest prefill queue {shortest} < {self.threshold}"
+
+
+class SLPolicy(_ThresholdPolicy):
+    """SL(l): deflect every prompt of at most l tokens."""
+
+    name = "sl"
+    threshold_field = "sl_prompt_tokens"
+
+    def _wants_deflection(self, prompt_tokens: int, view: ClusterView) -> tuple[bool, str]:
+        if prompt_tokens <= self.threshold:
+            return True, f"prompt {prompt_tokens} <= {self.threshold} tokens"
+        return False, f"prompt {prompt_tokens} > {self.threshold} tokens"
+
+
+POLICIES: dict[str, type[_BasePolicy]] = {"kairos": KairosPolicy, "pd": PDPolicy, "sq": SQPolicy, "sl": SLPolicy}
+"""Registry: spec name -> policy class. A spec is ``name`` or ``name:threshold``."""
+
+
+def parse_spec(spec: str) -> tuple[type[_BasePolicy], str | None]:
+    """Split and check a spec string (``kairos``, ``pd``, ``sq:<theta>``, ``sl:<tokens>``).
+
+    Raises ``ValueError`` naming the accepted forms for an unknown name or a bad threshold.
+    """
+    name, sep, arg = spec.strip().partition(":")
+    cls = POLICIES.get(name.lower())
+    if cls is None:
+        raise ValueError(f"unknown policy {spec!r}; known: kairos, pd, sq:<theta>, sl:<tokens>")
+    cls.check_arg(arg if sep else None)
+    return cls, arg if sep else None
+
+
+def make_policy(
+    spec: str,
+    params: PolicyParams,
+    prefill_model: StepLatency,
+    decode_model: StepLatency | None = None,
+    thresholds: Thresholds = Thresholds(),
+) -> Policy:
+    """Build the policy a spec string names; see ``parse_spec``.
+
+    ``decode_model`` defaults to ``prefill_model`` (same hardware, as in the paper).
+    """
+    cls, arg = parse_spec(spec)
+    if params.prefill_estimator not in PREFILL_ESTIMATORS:
+        raise ValueError(
+            f"unknown prefill estimator {params.prefill_estimator!r}; known: {', '.join(PREFILL_ESTIMATORS)}"
+        )
+    return cls.build(arg, thresholds, params, prefill_model, decode_model or prefill_model)

@@ -1,0 +1,96 @@
+"""TBT-safe shrinking chunk schedules (paper Eq. 5, LargestSafe).
+
+A schedule X = [chi_1 .. chi_m] for a prompt of l_r tokens on a decode node
+with B_n decoding requests and K_n resident KV tokens is safe when every step
+satisfies
+
+    T_step(B_n, K_n + sum_{j<i} chi_j, chi_i) <= beta * tau       (Eq. 5)
+
+LargestSafe builds it greedily: each step takes the largest candidate that
+satisfies Eq. 5 at the KV reached so far. Since the KV of earlier chunks
+accumulates, the largest safe chunk shrinks step by step; we also never let a
+chunk grow back (candidates are scanned downwards once), so schedules are
+non-increasing even for a fitted model with odd signs. The last chunk is only
+what is left of the prompt (a step with fewer tokens than the candidate), so
+sum(X) == l_r; it is checked at its real size.
+
+Runs of equal chunks are counted and priced in closed form
+(``StepLatency.safe_steps``, ``StepLatency.run_s``), so a sweep costs
+O(number of candidates), not O(number of steps).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from kairos_ray.core.latency import StepLatency
+
+Runs = list[tuple[int, int]]
+"""A schedule in run-length form: [(chunk_tokens, num_steps), ...]."""
+
+
+def largest_safe_runs(
+    model: StepLatency,
+    batch_size: int,
+    kv_tokens: int,
+    prompt_tokens: int,
+    candidates: Sequence[int],
+    tbt_budget_s: float,
+    limit_s: float = math.inf,
+) -> tuple[Runs, float] | None:
+    """LargestSafe in run-length form with its Eq. 6 time, or None.
+
+    None when some step has no safe candidate, or as soon as the time exceeds
+    ``limit_s`` (a caller looking for the fastest node passes the best so far).
+    ``candidates`` must be strictly decreasing; ``tbt_budget_s`` is beta * tau.
+    """
+    runs: Runs = []
+    seconds = 0.0
+    remaining = prompt_tokens
+    kv = kv_tokens
+    for chunk in candidates:
+        if chunk < remaining:
+            full = remaining // chunk
+            steps = model.safe_steps(batch_size, kv, chunk, full, tbt_budget_s)
+            if steps:
+                runs.append((chunk, steps))
+                seconds += model.run_s(batch_size, kv, chunk, steps)
+                if seconds > limit_s:
+                    return None
+                remaining -= steps * chunk
+                kv += steps * chunk
+                if remaining == 0:
+                    return runs, seconds
+            if steps < full:
+                continue  # this chunk stopped being safe: shrink
+        # remaining <= chunk: every candidate from here down to `remaining` schedules the same last step.
+        last_s = model.step_s(batch_size, kv, remaining)
+        if last_s <= tbt_budget_s:
+            runs.append((remaining, 1))
+            return (runs, seconds + last_s) if seconds + last_s <= limit_s else None
+    return None
+
+
+def expand(runs: Runs) -> tuple[int, ...]:
+    """Run-length form to the flat tuple of chunk sizes."""
+    flat: list[int] = []
+    for chunk, count in runs:
+        flat += [chunk] * count
+    return tuple(flat)
+
+
+def tbt_safe_schedule(
+    model: StepLatency,
+    batch_size: int,
+    kv_tokens: int,
+    prompt_tokens: int,
+    candidates: Sequence[int],
+    tbt_budget_s: float,
+) -> tuple[int, ...] | None:
+    """The greedy shrinking TBT-safe schedule X (Eq. 5), or None when the node is infeasible.
+
+    Every step of X satisfies Eq. 5, chunks never grow, and sum(X) == prompt_tokens.
+    """
+    found = largest_safe_runs(model, batch_size, kv_tokens, prompt_tokens, candidates, tbt_budget_s)
+    return None if found is None else expand(found[0])

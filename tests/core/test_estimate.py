@@ -1,0 +1,80 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kairos_ray.core import (
+    DecodeNodeView,
+    PrefillNodeView,
+    decode_ttft_s,
+    prefill_ttft_exact_s,
+    prefill_ttft_paper_s,
+    queue_wait_paper_s,
+)
+from kairos_ray.core.estimate import after_committed, runs_of
+
+from .strategies import SIMPLE, models
+
+QUEUE = PrefillNodeView("p0", (300, 100))
+
+
+def test_eq2_queue_wait_by_hand():
+    # S = 400, chi_p = 200: 400/200 * T(0, 200, 200) = 2 * (0.01 + 200 * (1e-4 + 2e-5)) = 0.068
+    assert queue_wait_paper_s(SIMPLE, 400, 200) == pytest.approx(0.068)
+    assert queue_wait_paper_s(SIMPLE, 0, 200) == 0.0
+
+
+def test_eq1_paper_estimate_by_hand():
+    # W_queue = 0.068; T_pf(100) = 100/200 * T(0, 50, 200) = 0.5 * (0.01 + 200 * 1.05e-4) = 0.0155
+    assert prefill_ttft_paper_s(SIMPLE, QUEUE, 100, 200) == pytest.approx(0.0835)
+
+
+def test_exact_estimate_walks_the_fifo_by_hand():
+    # 300 tokens: T(0,0,200) + T(0,200,100) = 0.03 + 0.022; 100 tokens: 0.02; then r (100): 0.02
+    assert prefill_ttft_exact_s(SIMPLE, QUEUE, 100, 200) == pytest.approx(0.092)
+
+
+def test_exact_estimate_counts_the_heads_cached_context():
+    head_done = PrefillNodeView("p0", (100,), head_prefilled_tokens=1000)
+    # head: T(0, 1000, 100) = 0.01 + 100 * (1e-4 + 1e-4) = 0.03; r: 0.02
+    assert prefill_ttft_exact_s(SIMPLE, head_done, 100, 200) == pytest.approx(0.05)
+
+
+def test_estimators_differ_when_a_short_prompt_waits_behind_a_long_one():
+    queue = PrefillNodeView("p0", (30_000, 200))
+    paper, exact = (f(SIMPLE, queue, 200, 2048) for f in (prefill_ttft_paper_s, prefill_ttft_exact_s))
+    assert paper != pytest.approx(exact, rel=0.01)
+
+
+@given(models(), st.lists(st.integers(1, 32_768), max_size=8), st.integers(1, 32_768), st.integers(1, 32_768))
+def test_more_queued_work_never_shortens_the_estimate(model, queue, extra, prompt):
+    for estimate in (prefill_ttft_paper_s, prefill_ttft_exact_s):
+        before = estimate(model, PrefillNodeView("p", tuple(queue)), prompt, 2048)
+        after = estimate(model, PrefillNodeView("p", (*queue, extra)), prompt, 2048)
+        assert after >= before
+
+
+def test_eq6_decode_ttft_by_hand():
+    # T(0,0,400) + T(0,400,200) + T(0,600,100) = 0.05 + 0.038 + 0.026
+    assert decode_ttft_s(SIMPLE, 0, 0, (400, 200, 100)) == pytest.approx(0.114)
+
+
+@given(models(), st.integers(0, 128), st.integers(0, 400_000), st.lists(st.integers(1, 2048), max_size=40))
+def test_eq6_equals_the_plain_sum(model, batch_size, kv_tokens, schedule):
+    expected, kv = 0.0, kv_tokens
+    for chunk in schedule:
+        expected += model.step_s(batch_size, kv, chunk)
+        kv += chunk
+    assert decode_ttft_s(model, batch_size, kv_tokens, schedule) == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_runs_of_groups_equal_neighbours():
+    assert runs_of((512, 512, 256, 256, 256, 100)) == [(512, 2), (256, 3), (100, 1)]
+    assert runs_of(()) == []
+
+
+def test_committed_deflections_run_first_and_join_the_batch():
+    node = DecodeNodeView("d0", batch_size=0, kv_tokens=0, free_kv_tokens=10_000, committed=((100,), (100,)))
+    # first: T(0, 0, 100) = 0.02; second: T(1, 100, 100) = 0.01 + 0.001 + 100 * 1.1e-4 = 0.022
+    seconds, batch_size, kv_tokens = after_committed(SIMPLE, node)
+    assert seconds == pytest.approx(0.042)
+    assert (batch_size, kv_tokens) == (2, 200)

@@ -1,0 +1,107 @@
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kairos_ray.core import FEATURE_NAMES, StepLatencyModel, StepwiseLatency
+
+from .strategies import SIMPLE, models
+
+
+class Stepwise(StepwiseLatency):
+    """The same linear model, but with the generic step-by-step run_s / safe_steps."""
+
+    def __init__(self, model: StepLatencyModel) -> None:
+        self.model = model
+
+    def step_s(self, batch_size: int, kv_tokens: float, chunk_tokens: float) -> float:
+        return self.model.step_s(batch_size, kv_tokens, chunk_tokens)
+
+
+def test_step_time_by_hand():
+    # 0.01 + 0.001 * 10 + 100 * (1e-4 + 1e-7 * 1000)
+    assert SIMPLE.step_s(10, 1000, 100) == pytest.approx(0.04)
+    # chi = 0 leaves the pure decode step T0(B, K)
+    assert SIMPLE.step_s(10, 1000, 0) == pytest.approx(0.02)
+
+
+def test_every_feature_has_its_coefficient():
+    model = StepLatencyModel(1.0, 2.0, 3.0, 5.0, 7.0, 11.0)
+    b, k, chi = 2, 3, 4
+    assert model.step_s(b, k, chi) == 1 + 2 * b + 3 * k + 5 * chi + 7 * chi * k + 11 * chi * chi
+    assert list(FEATURE_NAMES) == ["1", "B", "K", "chi", "chi*K", "chi^2"]
+    assert model.coefficients.tolist() == [1, 2, 3, 5, 7, 11]
+
+
+def test_later_chunks_cost_more():
+    assert SIMPLE.step_s(8, 4096, 512) > SIMPLE.step_s(8, 2048, 512) > SIMPLE.step_s(8, 0, 512)
+
+
+@given(models(), st.lists(st.tuples(st.integers(0, 256), st.integers(0, 10**6), st.integers(0, 4096)), min_size=1))
+def test_vectorised_matches_scalar(model, rows):
+    b, k, chi = (np.array(col) for col in zip(*rows, strict=True))
+    expected = [model.step_s(*row) for row in rows]
+    np.testing.assert_allclose(model.step_s_array(b, k, chi), expected, rtol=1e-12)
+
+
+@given(models())
+def test_json_round_trip(model):
+    assert StepLatencyModel.from_json(model.to_json()) == model
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"model": "other"}', "not a linear-v1"),
+        ('{"model": "linear-v1", "c0": 0.1}', "lacks coefficients: c_batch"),
+        (
+            '{"model": "linear-v1", "c0": "x", "c_batch": 0, "c_kv": 0, "c_chunk": 0, '
+            '"c_chunk_kv": 0, "c_chunk_sq": 0}',
+            "finite numbers: c0",
+        ),
+    ],
+)
+def test_bad_profile_json_is_named(text, message):
+    with pytest.raises(ValueError, match=message):
+        StepLatencyModel.from_json(text)
+
+
+def test_load_names_the_file(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text("{")
+    with pytest.raises(ValueError, match=r"profile\.json"):
+        StepLatencyModel.load(path)
+
+
+@given(models(), st.integers(0, 128), st.integers(0, 500_000), st.integers(1, 4096), st.integers(0, 200))
+def test_closed_form_run_equals_step_sum(model, batch_size, kv_tokens, chunk, steps):
+    stepwise = Stepwise(model).run_s(batch_size, kv_tokens, chunk, steps)
+    assert model.run_s(batch_size, kv_tokens, chunk, steps) == pytest.approx(stepwise, rel=1e-9, abs=1e-12)
+
+
+@given(
+    models(),
+    st.integers(0, 128),
+    st.integers(0, 500_000),
+    st.integers(1, 4096),
+    st.integers(0, 300),
+    st.floats(0.001, 0.5),
+)
+def test_closed_form_safe_steps_equals_stepwise_check(model, batch_size, kv_tokens, chunk, max_steps, budget):
+    expected = Stepwise(model).safe_steps(batch_size, kv_tokens, chunk, max_steps, budget)
+    assert model.safe_steps(batch_size, kv_tokens, chunk, max_steps, budget) == expected
+
+
+def test_safe_steps_exact_at_the_boundary():
+    # step j costs 0.01 + 100 * (1e-4 + 1e-7 * 100 j) = 0.02 + 0.001 j: steps 0..5 fit 0.025
+    assert SIMPLE.safe_steps(0, 0, 100, 50, 0.025 + 1e-12) == 6
+    assert SIMPLE.safe_steps(0, 0, 100, 50, 0.0199) == 0
+    assert SIMPLE.safe_steps(0, 0, 100, 3, 1.0) == 3
+
+
+def test_safe_steps_when_kv_makes_no_difference():
+    flat = StepLatencyModel(0.01, 0.0, 0.0, 1e-5, 0.0, 0.0)
+    assert flat.safe_steps(0, 0, 100, 10**6, 0.02) == 10**6
+    assert math.isclose(flat.run_s(0, 0, 100, 4), 4 * 0.011)

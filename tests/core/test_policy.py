@@ -1,0 +1,213 @@
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from kairos_ray.core import (
+    ClusterView,
+    DecodeNodeView,
+    PolicyParams,
+    PrefillNodeView,
+    Route,
+    Thresholds,
+    apply_decision,
+    make_policy,
+)
+from kairos_ray.core.estimate import after_committed
+
+from .strategies import CANDIDATES, SIMPLE, models, prompts, views
+
+SMALL = PolicyParams(prefill_chunk_tokens=200, chunk_candidates=(400, 200, 100), tbt_slo_s=0.051, beta=1.0)
+IDLE_DECODE = DecodeNodeView("d0", batch_size=0, kv_tokens=0, free_kv_tokens=10_000)
+VIEW = ClusterView((PrefillNodeView("p0", (300, 100)),), (IDLE_DECODE,))
+
+
+def kairos(alpha=1.0, params=SMALL, model=SIMPLE):
+    return make_policy("kairos", replace(params, alpha=alpha), model)
+
+
+def test_algorithm1_deflects_when_decode_is_faster():
+    # TTFT_pf = 0.092 (exact estimator, see test_estimate); TTFT_dec = T(0, 0, 100) = 0.02
+    decision = kairos().decide(100, VIEW)
+    assert decision.route is Route.DEFLECT
+    assert decision.decode_node == "d0" and decision.prefill_node is None
+    assert decision.chunk_schedule == (100,)
+    assert decision.ttft_prefill_s == pytest.approx(0.092)
+    assert decision.ttft_decode_s == pytest.approx(0.02)
+
+
+def test_alpha_margin_keeps_close_calls_on_the_prefill_node():
+    assert kairos(alpha=4).decide(100, VIEW).route is Route.DEFLECT  # 0.08 < 0.092
+    decision = kairos(alpha=5).decide(100, VIEW)  # 0.10 >= 0.092
+    assert decision.route is Route.PREFILL
+    assert decision.prefill_node == "p0" and decision.decode_node == "d0"
+    assert decision.chunk_schedule == ()
+    assert decision.ttft_decode_s == pytest.approx(0.02)
+
+
+def test_paper_estimator_is_selectable():
+    decision = kairos(params=replace(SMALL, prefill_estimator="paper")).decide(100, VIEW)
+    assert decision.ttft_prefill_s == pytest.approx(0.0835)
+
+
+def test_fastest_feasible_node_wins():
+    busy = DecodeNodeView("busy", batch_size=20, kv_tokens=0, free_kv_tokens=10_000)
+    view = ClusterView(VIEW.prefill, (busy, IDLE_DECODE))
+    decision = kairos().decide(100, view)
+    assert decision.decode_node == "d0"
+
+
+def test_no_tbt_safe_node_means_prefill():
+    overloaded = DecodeNodeView("d0", batch_size=50, kv_tokens=0, free_kv_tokens=10_000)  # T0 = 0.06 > 0.051
+    decision = kairos().decide(100, ClusterView(VIEW.prefill, (overloaded,)))
+    assert decision.route is Route.PREFILL
+    assert decision.ttft_decode_s is None
+    assert "1 infeasible" in decision.reason
+
+
+def test_second_deflection_waits_for_the_first():
+    first = kairos().decide(100, VIEW)
+    view = apply_decision(VIEW, 100, first)
+    assert view.decode[0].committed == ((100,),)
+    second = kairos().decide(100, view)
+    # 0.02 for the committed prefill, then T(1, 100, 100) = 0.022 with the first request now decoding
+    assert second.ttft_decode_s == pytest.approx(0.042)
+
+
+def test_kv_capacity_is_respected_including_commitments():
+    tight = DecodeNodeView("d0", batch_size=0, kv_tokens=0, free_kv_tokens=150, committed=((100,),))
+    decision = kairos().decide(100, ClusterView(VIEW.prefill, (tight,)))
+    assert decision.route is Route.PREFILL
+    assert "1 short of KV" in decision.reason
+
+
+def test_pd_never_deflects_and_picks_least_wait_and_most_headroom():
+    view = ClusterView(
+        (PrefillNodeView("p-busy", (5000,)), PrefillNodeView("p-idle")),
+        (
+            DecodeNodeView("d-full", 0, 9_000, 1_000),
+            DecodeNodeView("d-roomy", 0, 1_000, 9_000),
+        ),
+    )
+    decision = make_policy("pd", SMALL, SIMPLE).decide(100, view)
+    assert decision.route is Route.PREFILL
+    assert (decision.prefill_node, decision.decode_node) == ("p-idle", "d-roomy")
+
+
+def test_sq_deflects_on_queue_length_without_tbt_check():
+    overloaded = DecodeNodeView("d0", batch_size=50, kv_tokens=0, free_kv_tokens=10_000)
+    view = ClusterView((PrefillNodeView("p0", (300, 100)),), (overloaded,))
+    assert make_policy("sq:2", SMALL, SIMPLE).decide(100, view).route is Route.DEFLECT
+    assert make_policy("sq:3", SMALL, SIMPLE).decide(100, view).route is Route.PREFILL
+
+
+def test_sl_deflects_short_prompts_in_fixed_chunks():
+    sl = make_policy("sl:1024", replace(SMALL, static_chunk_tokens=256), SIMPLE)
+    decision = sl.decide(600, VIEW)
+    assert decision.route is Route.DEFLECT
+    assert decision.chunk_schedule == (256, 256, 88)
+    assert sl.decide(1025, VIEW).route is Route.PREFILL
+
+
+def test_spec_thresholds_default_from_config():
+    policy = make_policy("sq", SMALL, SIMPLE, thresholds=Thresholds(sq_queued_requests=7))
+    assert policy.spec == "sq:7"
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("fastest", "unknown policy 'fastest'; known: kairos, pd, sq:<theta>, sl:<tokens>"),
+        ("sq:x", "threshold 'x' is not an integer"),
+        ("sl:0", "threshold must be >= 1, got 0"),
+        ("kairos:2", "takes no argument"),
+    ],
+)
+def test_bad_specs_say_what_is_accepted(spec, message):
+    with pytest.raises(ValueError, match=message):
+        make_policy(spec, SMALL, SIMPLE)
+
+
+def test_bad_requests_and_views_are_rejected():
+    with pytest.raises(ValueError, match="prompt_tokens must be >= 1"):
+        kairos().decide(0, VIEW)
+    with pytest.raises(ValueError, match="at least one prefill and one decode node"):
+        kairos().decide(10, ClusterView(VIEW.prefill, ()))
+
+
+# ---- properties -------------------------------------------------------------------------
+
+PARAMS = PolicyParams(chunk_candidates=CANDIDATES)
+
+
+@given(models(), prompts, views())
+def test_deflections_are_tbt_safe_behind_commitments_and_fit_kv(model, prompt, view):
+    decision = make_policy("kairos", PARAMS, model).decide(prompt, view)
+    if decision.route is not Route.DEFLECT:
+        return
+    node = next(n for n in view.decode if n.node_id == decision.decode_node)
+    assert node.headroom_kv_tokens >= prompt
+    wait_s, batch_size, kv = after_committed(model, node)
+    assert sum(decision.chunk_schedule) == prompt
+    total = wait_s
+    for chunk in decision.chunk_schedule:
+        step = model.step_s(batch_size, kv, chunk)
+        assert step <= PARAMS.tbt_budget_s
+        total += step
+        kv += chunk
+    assert decision.ttft_decode_s == pytest.approx(total, rel=1e-9)
+    assert PARAMS.alpha * decision.ttft_decode_s < decision.ttft_prefill_s
+
+
+@given(models(), prompts, views())
+def test_no_deflection_when_every_node_is_infeasible(model, prompt, view):
+    params = replace(PARAMS, tbt_slo_s=model.c0 / 2)  # below the cost of any step
+    decision = make_policy("kairos", params, model).decide(prompt, view)
+    assert decision.route is Route.PREFILL
+    assert decision.ttft_decode_s is None
+
+
+@given(models(), prompts, views())
+def test_infinite_alpha_never_deflects(model, prompt, view):
+    decision = make_policy("kairos", replace(PARAMS, alpha=math.inf), model).decide(prompt, view)
+    assert decision.route is Route.PREFILL
+
+
+@given(models(), prompts, views(), st.integers(1, 32_768), st.data())
+def test_more_queued_prefill_work_never_makes_deflection_less_likely(model, prompt, view, extra, data):
+    for estimator in ("exact", "paper"):
+        policy = make_policy("kairos", replace(PARAMS, prefill_estimator=estimator), model)
+        before = policy.decide(prompt, view)
+        assume(before.deflected)
+        target = data.draw(st.sampled_from([n.node_id for n in view.prefill]))
+        busier = ClusterView(
+            tuple(
+                replace(n, queued_prompt_tokens=(*n.queued_prompt_tokens, extra)) if n.node_id == target else n
+                for n in view.prefill
+            ),
+            view.decode,
+        )
+        assert policy.decide(prompt, busier).deflected
+
+
+@given(models(), st.lists(prompts, min_size=2, max_size=12), views())
+def test_a_burst_never_overfills_a_node(model, burst, view):
+    policy = make_policy("kairos", PARAMS, model)
+    start = view
+    for tokens in burst:
+        decision = policy.decide(tokens, view)
+        view = apply_decision(view, tokens, decision)
+    for before, after in zip(start.decode, view.decode, strict=True):
+        added = after.committed_tokens - before.committed_tokens
+        assert added <= max(0, before.headroom_kv_tokens)
+
+
+@given(models(), prompts, views())
+def test_apply_decision_records_exactly_one_commitment(model, prompt, view):
+    decision = make_policy("kairos", PARAMS, model).decide(prompt, view)
+    after = apply_decision(view, prompt, decision)
+    queued = sum(n.num_queued for n in after.prefill) - sum(n.num_queued for n in view.prefill)
+    committed = sum(len(n.committed) for n in after.decode) - sum(len(n.committed) for n in view.decode)
+    assert (queued, committed) == ((0, 1) if decision.deflected else (1, 0))

@@ -1,0 +1,69 @@
+import itertools
+
+from hypothesis import given
+
+from kairos_ray.core import tbt_safe_schedule
+from kairos_ray.core.sweep import largest_safe_runs
+
+from .strategies import SIMPLE, budgets, candidate_sets, models, prompts, reference_largest_safe
+from .test_latency import Stepwise
+
+SMALL = (400, 200, 100)
+
+
+def test_eq5_schedule_by_hand():
+    # T(0, 0, 400) = 0.05 fits 0.051; at K=400, 400 would take 0.066 but 200 takes 0.038;
+    # the last 100 tokens at K=600 take 0.026.
+    assert tbt_safe_schedule(SIMPLE, 0, 0, 700, SMALL, 0.051) == (400, 200, 100)
+
+
+def test_schedule_shrinks_as_kv_grows():
+    # 200 stays safe up to K = 1000 (0.05), then only 100 fits: 0.01 + 100 * (1e-4 + 1e-7 K) <= 0.051 up to K = 3100
+    assert tbt_safe_schedule(SIMPLE, 0, 0, 2000, SMALL, 0.051) == (400, 200, 200, 200, 200) + (100,) * 8
+
+
+def test_last_chunk_is_what_is_left():
+    assert tbt_safe_schedule(SIMPLE, 0, 0, 37, SMALL, 0.051) == (37,)
+
+
+def test_infeasible_when_no_candidate_fits():
+    # even the smallest step costs more than c0 = 0.01
+    assert tbt_safe_schedule(SIMPLE, 0, 0, 700, SMALL, 0.009) is None
+    # fits at first, then the KV built by the prompt itself pushes every candidate over budget
+    assert tbt_safe_schedule(SIMPLE, 0, 0, 10_000, SMALL, 0.051) is None
+
+
+def test_bigger_batch_gets_smaller_chunks():
+    light = tbt_safe_schedule(SIMPLE, 0, 0, 1600, SMALL, 0.051)
+    heavy = tbt_safe_schedule(SIMPLE, 15, 0, 1600, SMALL, 0.051)
+    assert light is not None and heavy is not None
+    assert max(heavy) < max(light)
+    assert len(heavy) > len(light)
+
+
+def test_limit_abandons_a_slow_node():
+    assert largest_safe_runs(SIMPLE, 0, 0, 700, SMALL, 0.051, limit_s=0.2) is not None
+    assert largest_safe_runs(SIMPLE, 0, 0, 700, SMALL, 0.051, limit_s=0.1) is None
+
+
+@given(models(), prompts, candidate_sets, budgets)
+def test_every_step_meets_eq5_and_chunks_never_grow(model, prompt, candidates, budget):
+    batch_size, kv_tokens = 32, 50_000
+    schedule = tbt_safe_schedule(model, batch_size, kv_tokens, prompt, candidates, budget)
+    if schedule is None:
+        return
+    assert sum(schedule) == prompt
+    kv = kv_tokens
+    for i, chunk in enumerate(schedule):
+        assert model.step_s(batch_size, kv, chunk) <= budget
+        assert chunk in candidates or i == len(schedule) - 1
+        kv += chunk
+    assert all(a >= b for a, b in itertools.pairwise(schedule))
+
+
+@given(models(), prompts, candidate_sets, budgets)
+def test_matches_stepwise_largest_safe(model, prompt, candidates, budget):
+    expected = reference_largest_safe(model, 16, 20_000, prompt, candidates, budget)
+    assert tbt_safe_schedule(model, 16, 20_000, prompt, candidates, budget) == expected
+    # the generic step-by-step latency path agrees with the closed form
+    assert tbt_safe_schedule(Stepwise(model), 16, 20_000, prompt, candidates, budget) == expected

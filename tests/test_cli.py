@@ -1,0 +1,87 @@
+"""The `kairos` console command, run as a user would run it."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+KAIROS = Path(sys.executable).parent / "kairos"
+
+
+def kairos(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(KAIROS), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_the_commands():
+    result = kairos("--help")
+    assert result.returncode == 0
+    for command in ("demo", "config", "fit"):
+        assert re.search(rf"^\s+{command}\s", result.stdout, re.M), command
+
+
+def test_demo_prints_one_decision_per_request():
+    result = kairos("demo", "--requests", "6", "--seed", "3")
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if re.match(r"^\s*\d+\s+\d+\s+(prefill|deflect)\s", line)]
+    assert len(rows) == 6
+    assert "of 6 requests deflected" in result.stdout
+
+
+def test_demo_under_pd_deflects_nothing():
+    result = kairos("demo", "--policy", "pd")
+    assert result.returncode == 0, result.stderr
+    assert "0 of 12 requests deflected" in result.stdout
+    assert " deflect " not in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("demo", "--policy", "fastest"), "unknown policy 'fastest'"),
+        (("demo", "--requests", "0"), "must be >= 1, got 0"),
+        (("config", "check", "no-such-file.yaml"), "no-such-file.yaml"),
+    ],
+)
+def test_bad_input_is_a_message_not_a_traceback(args, message):
+    result = kairos(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_config_show_round_trips_through_check(tmp_path):
+    shown = kairos("config", "show")
+    assert shown.returncode == 0
+    path = tmp_path / "kairos.yaml"
+    path.write_text(shown.stdout)
+    assert kairos("config", "check", str(path)).stdout.strip().endswith(": ok")
+    path.write_text(shown.stdout.replace("alpha: 1.2", "alpha: 0.3"))
+    bad = kairos("config", "check", str(path))
+    assert bad.returncode == 2
+    assert "policy.alpha = 0.3" in bad.stderr
+
+
+def test_fit_writes_a_loadable_profile(tmp_path):
+    table = tmp_path / "steps.csv"
+    lines = ["batch_size,kv_tokens,chunk_tokens,step_s"]
+    for b in (1, 16, 64):
+        for k in (0, 50_000, 200_000):
+            for chi in (0, 256, 1024):
+                lines.append(f"{b},{k},{chi},{0.02 + 1e-4 * b + 1e-8 * k + 3e-5 * chi}")
+    table.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "profile.json"
+    result = kairos("fit", str(table), "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "held-out MAPE" in result.stdout
+    assert json.loads(out.read_text())["c_chunk"] == pytest.approx(3e-5, rel=1e-4)
+    demo = kairos("demo", "--requests", "2", "--config", str(_config_with_profile(tmp_path, out)))
+    assert demo.returncode == 0, demo.stderr
+
+
+def _config_with_profile(tmp_path: Path, profile: Path) -> Path:
+    path = tmp_path / "with-profile.yaml"
+    path.write_text(f"predictor:\n  profile: {profile}\n")
+    return path

@@ -1,0 +1,77 @@
+import pytest
+
+from kairos_ray.config import ConfigError, KairosConfig, load_config, parse_config, resolve_profile
+from kairos_ray.core import Route
+from kairos_ray.scenarios import burst_view
+
+
+def test_defaults_build_the_kairos_policy():
+    config = KairosConfig()
+    assert config.slo.tbt_s == 0.07 and config.slo.ttft_s == 4.0
+    policy = config.build_policy()
+    assert policy.spec == "kairos"
+    assert policy.decide(1000, burst_view()).route in (Route.PREFILL, Route.DEFLECT)
+
+
+def test_params_carry_the_config_through():
+    params = parse_config(
+        {"slo": {"tbt_s": 0.05}, "policy": {"alpha": 1.5, "beta": 0.8, "chunk_candidates": [512, 128]}}
+    ).policy_params()
+    assert params.tbt_budget_s == pytest.approx(0.04)
+    assert params.alpha == 1.5 and params.chunk_candidates == (512, 128)
+
+
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        ({"slo": {"ttft_s": -1}}, "slo.ttft_s = -1: Input should be greater than 0"),
+        ({"slo": {"tbt_s": 0}}, "slo.tbt_s = 0: Input should be greater than 0"),
+        ({"policy": {"alpha": 0.5}}, "policy.alpha = 0.5: Input should be greater than or equal to 1"),
+        ({"policy": {"beta": 0}}, "policy.beta = 0: Input should be greater than 0"),
+        ({"policy": {"chunk_candidates": []}}, "policy.chunk_candidates = []: chunk_candidates must not be empty"),
+        (
+            {"policy": {"chunk_candidates": [256, 512]}},
+            "policy.chunk_candidates = [256, 512]: chunk_candidates must be strictly decreasing, got [256, 512]",
+        ),
+        ({"policy": {"chunk_candidates": [512, 0]}}, "chunk_candidates must all be >= 1, got [512, 0]"),
+        ({"policy": {"name": "fastest"}}, "policy.name = 'fastest': unknown policy 'fastest'"),
+        ({"policy": {"name": "sq:0"}}, "policy.name = 'sq:0': policy sq: threshold must be >= 1, got 0"),
+        ({"policy": {"prefill_estimator": "guess"}}, "policy.prefill_estimator = 'guess'"),
+        ({"prefill_chunk_tokens": 0}, "prefill_chunk_tokens = 0"),
+        ({"predictor": {"profile": "no-such-gpu"}}, "predictor.profile = 'no-such-gpu': no profile file"),
+        ({"polciy": {}}, "polciy: unknown field"),
+        ({"slo": {"ttft_ms": 4000}}, "slo.ttft_ms: unknown field"),
+    ],
+)
+def test_invalid_values_name_the_field_and_the_value(data, expected):
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert expected in str(info.value)
+
+
+def test_yaml_file_round_trip_and_errors(tmp_path):
+    good = tmp_path / "kairos.yaml"
+    good.write_text("slo:\n  tbt_s: 0.05\npolicy:\n  name: sl:2048\n")
+    config = load_config(good)
+    assert config.slo.tbt_s == 0.05 and config.build_policy().spec == "sl:2048"
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("policy:\n  alpha: 0.2\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:\npolicy.alpha = 0.2"):
+        load_config(bad)
+
+    not_a_mapping = tmp_path / "list.yaml"
+    not_a_mapping.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(not_a_mapping)
+
+
+def test_profiles_resolve_by_name_or_path(tmp_path):
+    shipped = resolve_profile("a100-deepseek-v2-lite")
+    assert shipped.is_file()
+    copy = tmp_path / "mine.json"
+    copy.write_text(shipped.read_text())
+    assert resolve_profile(str(copy)) == copy
+    config = parse_config({"predictor": {"profile": str(copy), "prefill_profile": "a100-deepseek-v2-lite"}})
+    prefill_model, decode_model = config.predictor.load()
+    assert prefill_model == decode_model
