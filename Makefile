@@ -13,6 +13,7 @@ test: setup
 bench: setup
 	.venv/bin/python -m kairos_ray.bench.decision --decode-nodes 2 --json
 	.venv/bin/python -m kairos_ray.bench.decision --decode-nodes 64 --json
+	.venv/bin/python -m kairos_ray.bench.sim_speed
 
 lint: setup
 	.venv/bin/ruff check kairos_ray tests

@@ -24,6 +24,8 @@ EPILOG = """\
 examples:
   kairos demo                          decide a burst of 12 requests on a 2P2D cluster
   kairos demo --policy sl:2048         the same burst under a static baseline
+  kairos sim --workload bursty --rps 2,4,8 --policies pd,kairos
+                                       what deflection buys on bursty traffic, no GPU needed
   kairos config show > kairos.yaml     write the default configuration
   kairos config check kairos.yaml      validate a configuration file
   kairos fit steps.csv -o profile.json fit the step-latency model to measured steps
@@ -63,6 +65,51 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         f"on {result.num_holdout} steps; wrote {args.output}"
     )
     return 0
+
+
+def _cmd_sim(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from kairos_ray.sim.run import SimSetup, check_specs, sweep, write_outputs
+    from kairos_ray.workloads.synthetic import synthetic
+    from kairos_ray.workloads.traces import load_trace
+
+    specs = [s.strip() for s in args.policies.split(",") if s.strip()]
+    check_specs(specs)
+    setup = SimSetup.from_config(_config(args.config), args.profile, args.prefill, args.decode, args.seed)
+    if args.trace:
+        trace = load_trace(args.trace).clipped_to_context(setup.hardware.context_tokens)
+        if trace.clipped:
+            print(
+                f"{args.trace}: {trace.clipped} requests clipped to the {setup.hardware.context_tokens}-token context"
+            )
+        runs = [(rps, trace.scaled_to_rate(rps)) for rps in args.rps] if args.rps else [(trace.rate_rps, trace)]
+    else:
+        rates = args.rps or [2.0, 4.0, 6.0, 8.0, 10.0, 12.0]
+        runs = [(rps, synthetic(args.workload, rps, args.requests, args.seed)) for rps in rates]
+    total = len(specs) * sum(len(w) for _, w in runs)
+    with tqdm(total=total, unit="req", desc="simulating", disable=None) as bar:
+        summary, rows, _ = sweep(setup, specs, runs, bar.update)
+    out = Path(args.out)
+    written = write_outputs(out, summary, rows, setup.config.slo)
+    print(f"{'policy':<10} {'rps':>6} {'P95 TTFT':>9} {'P95 TBT':>8} {'TBT viol':>8} {'SLO att':>8} {'deflected':>9}")
+    for row in summary:
+        print(
+            f"{row['policy']:<10} {row['rps']:>6.2f} {row['p95_ttft_s']:>8.2f}s {1000 * row['p95_tbt_s']:>6.1f}ms "
+            f"{row['tbt_violation_pct']:>7.2f}% {row['slo_attainment_pct']:>7.1f}% {row['deflections']:>9}"
+        )
+    print(f"wrote {', '.join(str(p) for p in written)}")
+    return 0
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of rates: {text!r}") from None
+    if not rates or any(r <= 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be > 0 requests/s, got {text!r}")
+    return rates
 
 
 def _positive_int(text: str) -> int:
@@ -114,6 +161,36 @@ def build_parser() -> argparse.ArgumentParser:
     check = config_commands.add_parser("check", help="validate a configuration file")
     check.add_argument("file", metavar="FILE")
     check.set_defaults(func=_cmd_config_check)
+
+    sim = commands.add_parser(
+        "sim",
+        help="simulate policies on a disaggregated cluster (no GPU needed)",
+        description="Discrete-event simulation of prefill and decode pools, deciding with the very same "
+        "policies as the live router. Writes OUT/summary.csv, OUT/requests.csv and plots.",
+    )
+    source = sim.add_mutually_exclusive_group(required=True)
+    source.add_argument("--workload", choices=["lpld", "lphd", "hpld", "hphd", "bursty"], help="synthetic workload")
+    source.add_argument("--trace", metavar="FILE", help="Azure / Mooncake (.jsonl) / BurstGPT / plain CSV trace")
+    sim.add_argument(
+        "--rps",
+        type=_rates,
+        metavar="R1,R2,...",
+        help="rates to run (default for a workload 2,4,...,12; a trace without it runs at its own rate)",
+    )
+    sim.add_argument(
+        "--policies",
+        default="pd,sq:1,sl:1024,sl:2048,kairos,oracle",
+        metavar="SPECS",
+        help="comma-separated policy specs, oracle included (default %(default)s)",
+    )
+    sim.add_argument("--requests", type=_positive_int, default=2000, metavar="N", help="requests per synthetic run")
+    sim.add_argument("--prefill", type=_positive_int, default=2, metavar="N", help="prefill nodes (2)")
+    sim.add_argument("--decode", type=_positive_int, default=2, metavar="N", help="decode nodes (2)")
+    sim.add_argument("--profile", metavar="FILE", help="step-latency profile (default: the config's)")
+    sim.add_argument("--config", metavar="FILE", help="Kairos configuration YAML (SLOs, policy knobs)")
+    sim.add_argument("--seed", type=int, default=0, help="seed of workloads and step noise (0)")
+    sim.add_argument("--out", default="sim-out", metavar="DIR", help="output directory (sim-out)")
+    sim.set_defaults(func=_cmd_sim)
 
     fit = commands.add_parser(
         "fit",

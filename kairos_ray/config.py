@@ -131,16 +131,15 @@ class KairosConfig(_Section):
             static_chunk_tokens=p.static_chunk_tokens,
         )
 
+    def thresholds(self) -> Thresholds:
+        t = self.policy.thresholds
+        return Thresholds(t.sq_queued_requests, t.sl_prompt_tokens)
+
     def build_policy(self, spec: str | None = None) -> Policy:
         """The configured policy, or the one ``spec`` names with this config's knobs."""
         prefill_model, decode_model = self.predictor.load()
-        t = self.policy.thresholds
         return make_policy(
-            spec or self.policy.name,
-            self.policy_params(),
-            prefill_model,
-            decode_model,
-            Thresholds(t.sq_queued_requests, t.sl_prompt_tokens),
+            spec or self.policy.name, self.policy_params(), prefill_model, decode_model, self.thresholds()
         )
 
 

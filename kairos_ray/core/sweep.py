@@ -94,3 +94,27 @@ def tbt_safe_schedule(
     """
     found = largest_safe_runs(model, batch_size, kv_tokens, prompt_tokens, candidates, tbt_budget_s)
     return None if found is None else expand(found[0])
+
+
+def largest_safe_chunk(
+    model: StepLatency,
+    batch_size: int,
+    kv_tokens: int,
+    planned_tokens: int,
+    candidates: Sequence[int],
+    tbt_budget_s: float,
+) -> int:
+    """The engine-side guard of Eq. 5: how much of a planned chunk fits this step, 0 if nothing does.
+
+    The router plans a schedule for the B and K it sees; by the time a chunk
+    runs, other requests may have joined the batch. The decode engine runs
+    ``planned_tokens`` if that still fits beta * tau, else the largest smaller
+    candidate that does, else no prefill this step (it retries the next one).
+    With no decode batch there is no TBT to protect: the plan runs as is.
+    """
+    if batch_size == 0 or model.step_s(batch_size, kv_tokens, planned_tokens) <= tbt_budget_s:
+        return planned_tokens
+    for chunk in candidates:
+        if chunk < planned_tokens and model.step_s(batch_size, kv_tokens, chunk) <= tbt_budget_s:
+            return chunk
+    return 0

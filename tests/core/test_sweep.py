@@ -3,7 +3,7 @@ import itertools
 from hypothesis import given
 
 from kairos_ray.core import tbt_safe_schedule
-from kairos_ray.core.sweep import largest_safe_runs
+from kairos_ray.core.sweep import largest_safe_chunk, largest_safe_runs
 
 from .strategies import SIMPLE, budgets, candidate_sets, models, prompts, reference_largest_safe
 from .test_latency import Stepwise
@@ -67,3 +67,11 @@ def test_matches_stepwise_largest_safe(model, prompt, candidates, budget):
     assert tbt_safe_schedule(model, 16, 20_000, prompt, candidates, budget) == expected
     # the generic step-by-step latency path agrees with the closed form
     assert tbt_safe_schedule(Stepwise(model), 16, 20_000, prompt, candidates, budget) == expected
+
+
+def test_run_time_guard_shrinks_or_holds_a_planned_chunk():
+    # planned 400 at K = 400 takes 0.066 > 0.051; 200 takes 0.038
+    assert largest_safe_chunk(SIMPLE, 1, 0, 400, SMALL, 0.052) == 400  # 0.051 with B = 1: still fits
+    assert largest_safe_chunk(SIMPLE, 0, 400, 400, SMALL, 0.051) == 400  # no batch, no TBT to protect
+    assert largest_safe_chunk(SIMPLE, 1, 400, 400, SMALL, 0.051) == 200
+    assert largest_safe_chunk(SIMPLE, 45, 0, 400, SMALL, 0.051) == 0  # T0 alone is 0.055: wait a step

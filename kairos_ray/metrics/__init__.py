@@ -1,0 +1,184 @@
+"""Per-request records and their summaries, shared by ``kairos sim`` and the live load generator.
+
+TTFT breakdown (seconds, they add up to the TTFT):
+
+- ``prefill_queue_s``: arrival to the first prefill step (on a prefill node, or
+  on the decode node for a deflected request, behind earlier deflections);
+- ``prefill_exec_s``: first to last prefill step;
+- ``kv_transfer_s``: prefill end to KV arrival at the decode node, link queueing
+  included (0 when deflected);
+- ``decode_queue_s``: KV arrival to the first token from the decode node (0
+  when deflected: the last prefill chunk yields the first token).
+
+SLO attainment, per request: a request attains the SLO when its TTFT is at
+most ``slo.ttft_s`` and at most 5 % of its TBT gaps exceed ``slo.tbt_s`` (its
+own P95 TBT is within the objective; a request with no gap has no TBT to
+miss). ``slo_attainment_pct`` is the share of requests that attain it. The
+cluster-level objective of the paper (P95 TTFT and P95 TBT over all requests
+within their bounds) is reported as ``slo_met``.
+
+``tbt_violation_pct`` is the share of all TBT gaps, over all requests, longer
+than ``slo.tbt_s``.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kairos_ray.config import SLOConfig
+
+BREAKDOWN = ("prefill_queue_s", "prefill_exec_s", "kv_transfer_s", "decode_queue_s")
+TBT_ALLOWED_SHARE = 0.05  # a request may have up to 5 % of its gaps over the TBT objective
+
+
+@dataclass
+class RequestRecord:
+    """One served request."""
+
+    request_id: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    route: str  # "prefill" or "deflect"
+    prefill_node: str  # "" when deflected
+    decode_node: str
+    ttft_s: float
+    prefill_queue_s: float
+    prefill_exec_s: float
+    kv_transfer_s: float
+    decode_queue_s: float
+    finish_s: float  # seconds since the start of the run, last token
+    tbt_gaps_s: npt.NDArray[np.float64] = field(repr=False)  # every gap between consecutive tokens
+
+    def attains(self, slo: SLOConfig) -> bool:
+        """Per-request SLO attainment (module docstring)."""
+        if self.ttft_s > slo.ttft_s:
+            return False
+        gaps = self.tbt_gaps_s
+        return len(gaps) == 0 or bool(np.count_nonzero(gaps > slo.tbt_s) <= TBT_ALLOWED_SHARE * len(gaps))
+
+
+SUMMARY_COLUMNS = (
+    "policy",
+    "rps",
+    "requests",
+    "p50_ttft_s",
+    "p95_ttft_s",
+    "p99_ttft_s",
+    "p50_tbt_s",
+    "p95_tbt_s",
+    "p99_tbt_s",
+    "tbt_violation_pct",
+    "slo_attainment_pct",
+    "slo_met",
+    "deflections",
+    "throughput_tok_s",
+    *(f"p95_{name}" for name in BREAKDOWN),
+    "prefill_util_pct",
+    "decode_util_pct",
+)
+
+
+def _pct(values: npt.NDArray[np.float64], q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else math.nan
+
+
+def summarize(
+    records: Sequence[RequestRecord],
+    slo: SLOConfig,
+    policy: str,
+    rps: float,
+    prefill_util: float = math.nan,
+    decode_util: float = math.nan,
+) -> dict[str, Any]:
+    """One summary row (``SUMMARY_COLUMNS``); utilisations are busy shares in [0, 1] where known."""
+    ttft = np.array([r.ttft_s for r in records])
+    gaps = np.concatenate([r.tbt_gaps_s for r in records]) if records else np.empty(0)
+    start = min((r.arrival_s for r in records), default=0.0)
+    end = max((r.finish_s for r in records), default=0.0)
+    tokens = sum(r.output_tokens for r in records)
+    row: dict[str, Any] = {
+        "policy": policy,
+        "rps": rps,
+        "requests": len(records),
+        "p50_ttft_s": _pct(ttft, 50),
+        "p95_ttft_s": _pct(ttft, 95),
+        "p99_ttft_s": _pct(ttft, 99),
+        "p50_tbt_s": _pct(gaps, 50),
+        "p95_tbt_s": _pct(gaps, 95),
+        "p99_tbt_s": _pct(gaps, 99),
+        "tbt_violation_pct": 100 * float(np.mean(gaps > slo.tbt_s)) if len(gaps) else 0.0,
+        "slo_attainment_pct": 100 * sum(r.attains(slo) for r in records) / len(records) if records else math.nan,
+        "deflections": sum(r.route == "deflect" for r in records),
+        "throughput_tok_s": tokens / (end - start) if end > start else math.nan,
+        "prefill_util_pct": 100 * prefill_util,
+        "decode_util_pct": 100 * decode_util,
+    }
+    for name in BREAKDOWN:
+        row[f"p95_{name}"] = _pct(np.array([getattr(r, name) for r in records]), 95)
+    row["slo_met"] = bool(row["p95_ttft_s"] <= slo.ttft_s and (not len(gaps) or row["p95_tbt_s"] <= slo.tbt_s))
+    return row
+
+
+RECORD_COLUMNS = (
+    "policy",
+    "rps",
+    "request_id",
+    "arrival_s",
+    "prompt_tokens",
+    "output_tokens",
+    "route",
+    "prefill_node",
+    "decode_node",
+    "ttft_s",
+    *BREAKDOWN,
+    "finish_s",
+    "num_tbt_gaps",
+    "p95_tbt_s",
+    "max_tbt_s",
+    "attains_slo",
+)
+
+
+def record_rows(records: Sequence[RequestRecord], slo: SLOConfig, policy: str, rps: float) -> list[dict[str, Any]]:
+    """Flat per-request rows (``RECORD_COLUMNS``) for CSV output."""
+    rows = []
+    for r in records:
+        gaps = r.tbt_gaps_s
+        rows.append(
+            {
+                "policy": policy,
+                "rps": rps,
+                "request_id": r.request_id,
+                "arrival_s": round(r.arrival_s, 6),
+                "prompt_tokens": r.prompt_tokens,
+                "output_tokens": r.output_tokens,
+                "route": r.route,
+                "prefill_node": r.prefill_node,
+                "decode_node": r.decode_node,
+                "ttft_s": round(r.ttft_s, 6),
+                **{name: round(getattr(r, name), 6) for name in BREAKDOWN},
+                "finish_s": round(r.finish_s, 6),
+                "num_tbt_gaps": len(gaps),
+                "p95_tbt_s": round(float(np.percentile(gaps, 95)), 6) if len(gaps) else "",
+                "max_tbt_s": round(float(gaps.max()), 6) if len(gaps) else "",
+                "attains_slo": r.attains(slo),
+            }
+        )
+    return rows
+
+
+def write_csv(path: Path, columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(columns))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})

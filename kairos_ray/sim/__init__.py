@@ -1,0 +1,1 @@
+"""Discrete-event simulator of a disaggregated cluster, deciding with the core's own policies (``kairos sim``)."""

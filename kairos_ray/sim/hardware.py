@@ -1,0 +1,80 @@
+"""What the simulator knows about the hardware beyond the predictor: the ground truth and the cluster.
+
+The ``cluster`` section of a profile file holds the KV link, KV capacity and
+batch limits, and how the ground-truth step time departs from the linear
+predictor (see ``kairos_ray/profiles/README.md`` for the derivation of the
+shipped A100 values).
+
+``GroundTruth`` is what simulated engines actually take per step. It is NOT
+the predictor the policies use: it adds what a linear fit misses,
+
+- tile quantisation: prefill tokens are computed in tiles of ``tile_tokens``,
+  so a partial tile costs a whole one (``c_chunk`` per padded token);
+- batch crowding: per-request decode cost grows by ``B / batch_crowding`` as
+  the batch fills (``c_batch * B * (1 + B / batch_crowding)``);
+
+and the simulator multiplies every step by log-normal noise with coefficient
+of variation ``noise_cv``. The ``oracle`` policy decides with the noise-free
+ground truth (the paper's Oracle row); every other policy sees only the
+predictor, so prediction error shows up as it would in production.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from kairos_ray.core import StepLatencyModel, StepwiseLatency
+
+
+@dataclass(frozen=True)
+class ClusterHardware:
+    """Per-node limits and the KV link of one simulated node type."""
+
+    kv_bytes_per_token: int = 31_104  # DeepSeek-V2-Lite MLA: 27 layers x (512 + 64) x 2 bytes
+    kv_link_gbytes_per_s: float = 2.0  # effective bandwidth into one decode node, GB/s
+    kv_link_setup_s: float = 0.1  # per-transfer setup (handshake, block gathering)
+    kv_capacity_tokens: int = 1_200_000  # KV cache of one decode node, tokens
+    max_batch_size: int = 256  # running requests per decode node
+    context_tokens: int = 32_768
+    noise_cv: float = 0.03  # coefficient of variation of the per-step noise
+    tile_tokens: int = 128  # prefill tile size of the ground truth
+    batch_crowding: float = 512.0  # ground-truth growth of per-request decode cost with B
+
+    def transfer_s(self, prompt_tokens: int) -> float:
+        """Time one KV transfer occupies its link."""
+        return self.kv_link_setup_s + prompt_tokens * self.kv_bytes_per_token / (self.kv_link_gbytes_per_s * 1e9)
+
+    @classmethod
+    def from_profile(cls, path: str | Path) -> ClusterHardware:
+        """The ``cluster`` section of a profile file; defaults where it has none."""
+        data = json.loads(Path(path).read_text()).get("cluster", {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"{path}: unknown cluster field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        hardware = cls(**data)
+        for f in fields(cls):
+            if not getattr(hardware, f.name) > 0:
+                raise ValueError(f"{path}: cluster.{f.name} must be > 0, got {getattr(hardware, f.name)!r}")
+        return hardware
+
+
+class GroundTruth(StepwiseLatency):
+    """The step time simulated engines take (before noise): the predictor plus what a linear fit misses."""
+
+    def __init__(self, model: StepLatencyModel, hardware: ClusterHardware) -> None:
+        self.model = model
+        self.tile = hardware.tile_tokens
+        self.crowding = hardware.batch_crowding
+
+    def step_s(self, batch_size: int, kv_tokens: float, chunk_tokens: float) -> float:
+        m = self.model
+        seconds = m.step_s(batch_size, kv_tokens, chunk_tokens) + m.c_batch * batch_size * batch_size / self.crowding
+        if chunk_tokens:
+            seconds += m.c_chunk * (math.ceil(chunk_tokens / self.tile) * self.tile - chunk_tokens)
+        return seconds

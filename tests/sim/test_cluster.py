@@ -1,0 +1,155 @@
+"""The event loop, the KV link, the decode batcher and the sim/core agreement, on cases small enough to do by hand."""
+
+from dataclasses import replace
+
+import pytest
+
+from kairos_ray.core import ClusterView, Decision, PolicyParams, StepLatencyModel, StepwiseLatency, make_policy
+from kairos_ray.sim.cluster import ClusterSim, Kind
+from kairos_ray.sim.hardware import ClusterHardware
+from kairos_ray.workloads import Request, Workload
+
+
+class Fixed(StepwiseLatency):
+    """Every step: 0.1 s plus 1 ms per prefill token, whatever the batch and KV."""
+
+    def step_s(self, batch_size: int, kv_tokens: float, chunk_tokens: float) -> float:
+        return 0.1 + 0.001 * chunk_tokens
+
+
+# 1 MB per token over 1 GB/s: 1 ms per token, plus 0.1 s setup
+HW = ClusterHardware(
+    kv_bytes_per_token=1_000_000,
+    kv_link_gbytes_per_s=1.0,
+    kv_link_setup_s=0.1,
+    kv_capacity_tokens=100_000,
+    max_batch_size=8,
+    noise_cv=0.0,
+)
+MODEL = StepLatencyModel(0.1, 0.0, 0.0, 0.001, 0.0, 0.0)  # the same as Fixed, as a predictor
+PARAMS = PolicyParams(prefill_chunk_tokens=100, chunk_candidates=(100,), static_chunk_tokens=100, tbt_slo_s=1.0)
+
+
+def simulate(spec, requests, num_prefill=1, num_decode=1, hardware=HW, seed=0):
+    sim = ClusterSim(make_policy(spec, PARAMS, MODEL), Fixed(), hardware, num_prefill, num_decode, 100, seed)
+    return sim.run(Workload("test", tuple(Request(*r) for r in requests)))
+
+
+def test_tie_order_is_written_down():
+    assert [k.name for k in sorted(Kind)] == ["PREFILL_STEP_END", "DECODE_STEP_END", "KV_ARRIVAL", "REQUEST_ARRIVAL"]
+
+
+def test_disaggregated_request_by_hand():
+    (record,) = simulate("pd", [(0.0, 250, 3)]).records
+    # prefill: 100, 100, 50 tokens -> 0.2 + 0.2 + 0.15 s; KV: 0.1 + 250 * 1 ms; first decode step 0.1 s
+    assert record.route == "prefill"
+    assert record.prefill_queue_s == pytest.approx(0.0)
+    assert record.prefill_exec_s == pytest.approx(0.55)
+    assert record.kv_transfer_s == pytest.approx(0.35)
+    assert record.decode_queue_s == pytest.approx(0.1)
+    assert record.ttft_s == pytest.approx(1.0)
+    assert record.tbt_gaps_s.tolist() == pytest.approx([0.1, 0.1])
+    assert record.finish_s == pytest.approx(1.2)
+
+
+def test_deflected_request_by_hand():
+    (record,) = simulate("sl:1000", [(0.0, 250, 3)]).records
+    # chunks 100, 100, 50 on the decode node; the last one yields the first token; two decode steps follow
+    assert record.route == "deflect" and record.prefill_node == ""
+    assert record.ttft_s == pytest.approx(0.55)
+    assert (record.prefill_queue_s, record.kv_transfer_s, record.decode_queue_s) == (0.0, 0.0, 0.0)
+    assert record.tbt_gaps_s.tolist() == pytest.approx([0.1, 0.1])
+    assert record.finish_s == pytest.approx(0.75)
+
+
+def test_deflected_chunks_interleave_with_running_decodes():
+    # A decodes from t = 1.0 (see the by-hand case); B is deflected at t = 1.05 onto the same node
+    result = simulate("sl:100", [(0.0, 250, 10), (1.05, 100, 1)])
+    a, b = result.records
+    assert a.route == "prefill" and b.route == "deflect"
+    # B's single chunk waits for the step in flight (ends 1.1), then runs with A's decode: 0.1 + 0.1 s
+    assert b.prefill_queue_s == pytest.approx(0.05)
+    assert b.ttft_s == pytest.approx(0.25)
+    # A's gap during that step is the longer, mixed step
+    assert sorted(a.tbt_gaps_s.tolist())[-1] == pytest.approx(0.2)
+
+
+def test_transfers_to_one_decode_node_share_its_link():
+    # two prefill nodes finish together (0.2 s); the second transfer waits for the first (0.2 s each)
+    first, second = simulate("pd", [(0.0, 100, 1), (0.0, 100, 1)], num_prefill=2).records
+    assert {first.prefill_node, second.prefill_node} == {"prefill-0", "prefill-1"}
+    assert sorted([first.kv_transfer_s, second.kv_transfer_s]) == pytest.approx([0.2, 0.4])
+
+
+def test_decode_queue_waits_for_a_batch_slot():
+    full = replace(HW, max_batch_size=1)
+    first, second = simulate("pd", [(0.0, 100, 5), (0.0, 100, 5)], num_prefill=2, hardware=full).records
+    # KV lands at 0.4 and 0.6; the first decodes 5 steps (0.4..0.9), the second starts after it
+    assert first.decode_queue_s == pytest.approx(0.1)
+    assert second.ttft_s == pytest.approx(1.0)
+    assert second.decode_queue_s == pytest.approx(0.4)
+
+
+def test_decode_queue_waits_for_kv_room():
+    tight = replace(HW, kv_capacity_tokens=150)  # room for one request's prompt + output at a time
+    first, second = simulate("pd", [(0.0, 100, 5), (0.0, 100, 5)], num_prefill=2, hardware=tight).records
+    assert first.ttft_s == pytest.approx(0.5)
+    assert second.ttft_s == pytest.approx(1.0)  # its KV landed at 0.6 but room frees only at 0.9
+
+
+def test_an_arrival_sees_the_step_that_ends_at_the_same_instant():
+    # A's single prefill step ends at exactly 0.2, when B arrives: B must find the prefill queue empty
+    sim = ClusterSim(make_policy("pd", PARAMS, MODEL), Fixed(), HW, 1, 1, 100)
+    result = sim.run(Workload("tie", (Request(0.0, 100, 1), Request(0.2, 100, 1))))
+    b = result.requests[1]
+    assert b.decision is not None
+    assert b.decision.ttft_prefill_s == pytest.approx(0.2)  # its own step only, nothing queued ahead
+    assert b.prefill_start_s == pytest.approx(0.2)
+
+
+class Recording:
+    """The real policy, with each (prompt, view, decision) it was asked kept for comparison."""
+
+    def __init__(self, policy):
+        self.policy, self.spec, self.calls = policy, policy.spec, []
+
+    def decide(self, prompt_tokens: int, view: ClusterView) -> Decision:
+        decision = self.policy.decide(prompt_tokens, view)
+        self.calls.append((prompt_tokens, view, decision))
+        return decision
+
+
+def test_sim_and_a_direct_core_call_decide_alike():
+    from kairos_ray.config import KairosConfig
+    from kairos_ray.sim.run import SimSetup
+    from kairos_ray.workloads.synthetic import synthetic
+
+    setup = SimSetup.from_config(KairosConfig())
+    recording = Recording(setup.policy("kairos"))
+    sim = ClusterSim(recording, setup.truth, setup.hardware, 2, 2, 2048)
+    sim.run(synthetic("bursty", 6, 300, seed=2))
+    fresh = KairosConfig().build_policy("kairos")
+    routes = set()
+    for prompt, view, decision in recording.calls:
+        assert fresh.decide(prompt, view) == decision
+        routes.add(decision.route)
+    assert len(recording.calls) == 300 and len(routes) == 2
+
+
+def test_runs_are_deterministic_per_seed_and_lose_no_request():
+    from kairos_ray.config import KairosConfig
+    from kairos_ray.sim.run import SimSetup
+    from kairos_ray.workloads.synthetic import synthetic
+
+    setup = SimSetup.from_config(KairosConfig())
+    workload = synthetic("bursty", 8, 400, seed=3)
+    a, b = (setup.simulate("kairos", workload) for _ in range(2))
+    assert [r.ttft_s for r in a.records] == [r.ttft_s for r in b.records]
+    other = replace(setup, seed=9).simulate("kairos", workload)
+    assert [r.ttft_s for r in other.records] != [r.ttft_s for r in a.records]
+    assert len(a.records) == 400
+    for r in a.records:
+        parts = r.prefill_queue_s + r.prefill_exec_s + r.kv_transfer_s + r.decode_queue_s
+        assert parts == pytest.approx(r.ttft_s)
+        assert len(r.tbt_gaps_s) == r.output_tokens - 1
+        assert r.finish_s >= r.arrival_s + r.ttft_s
