@@ -1,0 +1,216 @@
+"""Prefill and decode node models, shared by the simulator (virtual time) and the emulated engines (wall clock).
+
+Both drivers call the same two state machines, step by step:
+``begin_step(now)`` says what the next step computes (or that the node is
+idle), the driver lets the step's time pass (a heap event, or a sleep), then
+``end_step(now)`` applies its effects.
+
+- ``PrefillNode``: FIFO queue; each step prefills up to the chunk size of the
+  head job, its cached context growing; ``end_step`` returns the job whose
+  prompt is done.
+- ``DecodeNode``: continuous batching. A transferred job joins the batch at the
+  next step start when a slot (``max_batch_size``) and KV room for its prompt
+  and output are free, and yields its first token at the end of that step.
+  Deflected jobs run their chunk schedules one after another, one chunk per
+  step injected into the decode batch; the last chunk yields the first token
+  and the job joins the batch. Every running job emits one token per step, so
+  its TBT gaps are the durations of the node's steps it was in. An optional
+  ``guard`` re-checks each planned chunk against the batch of the moment
+  (``core.sweep.largest_safe_chunk``).
+
+Per step the decode node does O(1) work plus O(log B) per job that joins or
+finishes; it keeps no per-token state, which is what lets the simulator
+replay long traces quickly. Drivers that stream tokens keep their own set of
+running jobs from ``joined`` and ``finished``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kairos_ray.core import Decision, DecodeNodeView, PrefillNodeView
+
+Guard = Callable[[int, int, int], int]
+"""(B, K, planned chunk) -> chunk to run this step (0: none)."""
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """One request as the nodes see it; times are the driver's clock, in seconds."""
+
+    rid: int
+    arrival_s: float
+    prompt: int
+    output: int  # tokens to generate, the first included
+    decision: Decision | None = None
+    prefill_node: int = -1
+    decode_node: int = -1
+    schedule: tuple[int, ...] = ()  # chunk schedule when deflected
+    next_chunk: int = 0  # index into schedule
+    prefill_start_s: float = math.nan
+    prefill_end_s: float = math.nan
+    kv_ready_s: float = math.nan
+    first_token_s: float = math.nan
+    finish_s: float = math.nan
+    join_step: int = 0  # first decode-node step in which it emits a decode token
+    last_step: int = 0  # decode-node step of its last token
+
+
+@dataclass(eq=False)
+class PrefillNode:
+    node_id: str
+    chunk_tokens: int
+    queue: deque[Job] = field(default_factory=deque)
+    done_tokens: int = 0  # of the head job
+    chunk: int = 0  # tokens of the step in flight
+    busy: bool = False
+    busy_s: float = 0.0
+
+    def view(self) -> PrefillNodeView:
+        queued = [j.prompt for j in self.queue]
+        if queued:
+            queued[0] -= self.done_tokens
+        return PrefillNodeView(self.node_id, tuple(queued), head_prefilled_tokens=self.done_tokens)
+
+    def begin_step(self, now: float) -> tuple[int, int] | None:
+        """(cached context, chunk tokens) of the next step, or None (idle)."""
+        if not self.queue:
+            self.busy = False
+            return None
+        head = self.queue[0]
+        if self.done_tokens == 0:
+            head.prefill_start_s = now
+        self.chunk = min(self.chunk_tokens, head.prompt - self.done_tokens)
+        self.busy = True
+        return self.done_tokens, self.chunk
+
+    def end_step(self, now: float) -> Job | None:
+        """Apply the step; returns the job whose prompt it finished, if any."""
+        self.done_tokens += self.chunk
+        head = self.queue[0]
+        if self.done_tokens < head.prompt:
+            return None
+        self.queue.popleft()
+        self.done_tokens = 0
+        head.prefill_end_s = now
+        return head
+
+
+@dataclass(eq=False)
+class DecodeNode:
+    node_id: str
+    kv_capacity_tokens: int
+    max_batch_size: int
+    guard: Guard | None = None
+    running: int = 0
+    kv_tokens: int = 0
+    reserved_tokens: int = 0  # prompt + output of every admitted or deflected job not yet finished
+    step: int = 0  # index of the next step to end
+    chunk: int = 0  # deflected tokens in the step in flight
+    busy: bool = False
+    busy_s: float = 0.0
+    finishing: list[tuple[int, int, Job]] = field(default_factory=list)  # heap of (last_step, rid, job)
+    deflections: deque[Job] = field(default_factory=deque)
+    waiting: deque[Job] = field(default_factory=deque)
+    joined: list[Job] = field(default_factory=list)  # joined the batch in the last begin_step/end_step
+    finished: list[Job] = field(default_factory=list)  # finished in the last end_step
+    durations: list[float] = field(default_factory=list)  # every step's duration, index = step
+
+    def view(self) -> DecodeNodeView:
+        committed = tuple(j.schedule[j.next_chunk :] for j in self.deflections)
+        pending = sum(map(sum, committed))
+        return DecodeNodeView(
+            self.node_id,
+            batch_size=self.running,
+            kv_tokens=self.kv_tokens,
+            # headroom = free - pending = capacity - reservations (see DecodeNodeView)
+            free_kv_tokens=self.kv_capacity_tokens - self.reserved_tokens + pending,
+            committed=committed,
+        )
+
+    def deflect(self, job: Job) -> None:
+        """Commit a deflected job; it runs after the deflections already here."""
+        self.reserved_tokens += job.prompt + job.output
+        self.deflections.append(job)
+
+    def transferred(self, job: Job, now: float) -> None:
+        """A disaggregated job's KV has arrived; it joins the batch at a step start."""
+        job.kv_ready_s = now
+        self.waiting.append(job)
+
+    def begin_step(self, now: float) -> tuple[int, int, int] | None:
+        """Admit waiting jobs; (B, K, chunk) of the next step, or None (idle)."""
+        step = self.step
+        joined = self.joined
+        joined.clear()
+        while self.waiting and self.running < self.max_batch_size:
+            job = self.waiting[0]
+            need = job.prompt + job.output
+            if self.reserved_tokens + need > self.kv_capacity_tokens and self.running:
+                break  # wait for KV to free up (an idle node always takes it: nothing else will free KV)
+            self.waiting.popleft()
+            self.reserved_tokens += need
+            self.running += 1
+            self.kv_tokens += job.prompt
+            job.join_step = step
+            job.last_step = step + job.output - 1
+            heapq.heappush(self.finishing, (job.last_step, job.rid, job))
+            joined.append(job)
+        self.chunk = 0
+        if self.deflections:
+            head = self.deflections[0]
+            if head.next_chunk == 0:
+                head.prefill_start_s = now
+            planned = head.schedule[head.next_chunk]
+            self.chunk = planned if self.guard is None else self.guard(self.running, self.kv_tokens, planned)
+            if 0 < self.chunk < planned:
+                i = head.next_chunk
+                head.schedule = (*head.schedule[:i], self.chunk, planned - self.chunk, *head.schedule[i + 1 :])
+        if not self.running and not self.chunk:
+            self.busy = False
+            return None
+        self.busy = True
+        return self.running, self.kv_tokens, self.chunk
+
+    def end_step(self, now: float, duration_s: float) -> None:
+        """Apply the step: tokens for every running job, the chunk's KV; fills ``joined`` and ``finished``."""
+        step = self.step
+        self.durations.append(duration_s)
+        self.busy_s += duration_s
+        self.kv_tokens += self.running  # every running job wrote one token
+        for job in self.joined:  # joined at this step's start: its first token
+            job.first_token_s = now
+        joined = self.joined
+        joined.clear()
+        finished = self.finished
+        finished.clear()
+        if self.deflections and self.chunk:
+            head = self.deflections[0]
+            head.next_chunk += 1
+            self.kv_tokens += self.chunk
+            if head.next_chunk == len(head.schedule):
+                self.deflections.popleft()
+                head.prefill_end_s = head.first_token_s = now
+                head.join_step = step + 1
+                head.last_step = step + head.output - 1
+                if head.output > 1:
+                    self.running += 1
+                    heapq.heappush(self.finishing, (head.last_step, head.rid, head))
+                    joined.append(head)
+                else:
+                    self._finish(head, now)
+        heap = self.finishing
+        while heap and heap[0][0] == step:
+            self._finish(heapq.heappop(heap)[2], now)
+            self.running -= 1
+        self.step += 1
+
+    def _finish(self, job: Job, now: float) -> None:
+        job.finish_s = now
+        self.kv_tokens -= job.prompt + max(0, job.last_step - job.join_step + 1)
+        self.reserved_tokens -= job.prompt + job.output
+        self.finished.append(job)
