@@ -1,10 +1,16 @@
 # `make run` and `make test` are the two commands of the README; both set up .venv first.
-.PHONY: setup run test bench lint
+.PHONY: setup run stop demo test bench lint
 
 setup:
 	@bash scripts/setup.sh
 
 run: setup
+	bash scripts/run_local.sh
+
+stop:
+	-RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 .venv/bin/ray stop
+
+demo: setup
 	.venv/bin/kairos demo
 
 test: setup

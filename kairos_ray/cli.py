@@ -26,6 +26,8 @@ examples:
   kairos demo --policy sl:2048         the same burst under a static baseline
   kairos sim --workload bursty --rps 2,4,8 --policies pd,kairos
                                        what deflection buys on bursty traffic, no GPU needed
+  kairos bench --url http://127.0.0.1:8000 --workload bursty --rps 4
+                                       replay a workload against a live server
   kairos config show > kairos.yaml     write the default configuration
   kairos config check kairos.yaml      validate a configuration file
   kairos fit steps.csv -o profile.json fit the step-latency model to measured steps
@@ -100,6 +102,54 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         )
     print(f"wrote {', '.join(str(p) for p in written)}")
     return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import httpx
+    from tqdm import tqdm
+
+    from kairos_ray.bench.loadgen import replay, served_model
+    from kairos_ray.metrics import RECORD_COLUMNS, SUMMARY_COLUMNS, record_rows, summarize, write_csv
+    from kairos_ray.metrics.plots import plot_all
+    from kairos_ray.workloads.synthetic import synthetic
+    from kairos_ray.workloads.traces import load_trace
+
+    slo = _config(args.config).slo
+    if args.trace:
+        workload = load_trace(args.trace).clipped_to_context(args.context)
+        if args.rps:
+            workload = workload.scaled_to_rate(args.rps[0])
+        if args.requests:
+            workload = workload.head(args.requests)
+    else:
+        workload = synthetic(args.workload, (args.rps or [2.0])[0], args.requests or 200, args.seed, args.context)
+    url = args.url.rstrip("/")
+    try:
+        model = args.model or asyncio.run(served_model(url))
+    except httpx.HTTPError as exc:
+        raise ValueError(f"cannot reach {url}: {exc}") from None
+    with tqdm(total=len(workload), unit="req", desc=f"replaying at {workload.rate_rps:.2f} req/s", disable=None) as bar:
+        result = asyncio.run(replay(url, model, workload, args.timeout, bar.update))
+    rps = round(workload.rate_rps, 3)
+    row = summarize(result.records, slo, args.label, rps, failed=len(result.failures))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / "summary.csv", SUMMARY_COLUMNS, [row])
+    write_csv(out / "requests.csv", RECORD_COLUMNS, record_rows(result.records, slo, args.label, rps))
+    written = [out / "summary.csv", out / "requests.csv", *plot_all([row], out, slo)] if result.records else []
+    for line in result.failures[:10]:
+        print(f"failed: {line}")
+    print(
+        f"{len(result.records)} of {len(workload)} requests served in {result.wall_s:.1f} s "
+        f"({len(result.failures)} failed); P50/P95 TTFT {row['p50_ttft_s']:.3f}/{row['p95_ttft_s']:.3f} s, "
+        f"P95 TBT {1000 * row['p95_tbt_s']:.1f} ms, {row['tbt_violation_pct']:.2f} % TBT violations, "
+        f"SLO attainment {row['slo_attainment_pct']:.1f} %, {row['deflections']} deflected"
+    )
+    if written:
+        print(f"wrote {', '.join(str(p) for p in written)}")
+    return 0 if result.records else 1
 
 
 def _rates(text: str) -> list[float]:
@@ -191,6 +241,28 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=int, default=0, help="seed of workloads and step noise (0)")
     sim.add_argument("--out", default="sim-out", metavar="DIR", help="output directory (sim-out)")
     sim.set_defaults(func=_cmd_sim)
+
+    bench = commands.add_parser(
+        "bench",
+        help="replay a workload or trace against an OpenAI-compatible server",
+        description="Open-loop load generator: sends each request at its arrival time as a streaming "
+        "/v1/completions call to any OpenAI-compatible URL (Kairos-Ray, vLLM, Ray Serve LLM) and records "
+        "TTFT, every TBT gap and the x-kairos-* breakdown. Writes OUT/summary.csv, OUT/requests.csv, plots.",
+    )
+    bench.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (%(default)s)")
+    bench.add_argument("--model", help="model name (default: the first in /v1/models)")
+    bench_source = bench.add_mutually_exclusive_group(required=True)
+    bench_source.add_argument("--workload", choices=["lpld", "lphd", "hpld", "hphd", "bursty"])
+    bench_source.add_argument("--trace", metavar="FILE", help="Azure / Mooncake (.jsonl) / BurstGPT / plain CSV trace")
+    bench.add_argument("--rps", type=_rates, metavar="R", help="rate (default: 2 for a workload, a trace's own)")
+    bench.add_argument("--requests", type=_positive_int, metavar="N", help="requests (workload: 200; trace: all)")
+    bench.add_argument("--context", type=_positive_int, default=32_768, help="clip lengths to this context (32768)")
+    bench.add_argument("--label", default="live", help="policy column of the summary (%(default)s)")
+    bench.add_argument("--config", metavar="FILE", help="Kairos configuration YAML (for the SLO)")
+    bench.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds (600)")
+    bench.add_argument("--seed", type=int, default=0, help="seed of a synthetic workload (0)")
+    bench.add_argument("--out", default="bench-out", metavar="DIR", help="output directory (bench-out)")
+    bench.set_defaults(func=_cmd_bench)
 
     fit = commands.add_parser(
         "fit",

@@ -106,6 +106,7 @@ class DecodeNode:
     kv_capacity_tokens: int
     max_batch_size: int
     guard: Guard | None = None
+    record_durations: bool = True  # the simulator needs every step's duration for TBT; a server does not
     running: int = 0
     kv_tokens: int = 0
     reserved_tokens: int = 0  # prompt + output of every admitted or deflected job not yet finished
@@ -179,7 +180,8 @@ class DecodeNode:
     def end_step(self, now: float, duration_s: float) -> None:
         """Apply the step: tokens for every running job, the chunk's KV; fills ``joined`` and ``finished``."""
         step = self.step
-        self.durations.append(duration_s)
+        if self.record_durations:
+            self.durations.append(duration_s)
         self.busy_s += duration_s
         self.kv_tokens += self.running  # every running job wrote one token
         for job in self.joined:  # joined at this step's start: its first token

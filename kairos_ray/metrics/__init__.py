@@ -70,6 +70,7 @@ SUMMARY_COLUMNS = (
     "policy",
     "rps",
     "requests",
+    "failed",
     "p50_ttft_s",
     "p95_ttft_s",
     "p99_ttft_s",
@@ -98,8 +99,10 @@ def summarize(
     rps: float,
     prefill_util: float = math.nan,
     decode_util: float = math.nan,
+    failed: int = 0,
 ) -> dict[str, Any]:
-    """One summary row (``SUMMARY_COLUMNS``); utilisations are busy shares in [0, 1] where known."""
+    """One summary row (``SUMMARY_COLUMNS``) of the served ``records`` (``failed`` requests got no answer);
+    utilisations are busy shares in [0, 1] where known."""
     ttft = np.array([r.ttft_s for r in records])
     gaps = np.concatenate([r.tbt_gaps_s for r in records]) if records else np.empty(0)
     start = min((r.arrival_s for r in records), default=0.0)
@@ -109,6 +112,7 @@ def summarize(
         "policy": policy,
         "rps": rps,
         "requests": len(records),
+        "failed": failed,
         "p50_ttft_s": _pct(ttft, 50),
         "p95_ttft_s": _pct(ttft, 95),
         "p99_ttft_s": _pct(ttft, 99),

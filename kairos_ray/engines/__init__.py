@@ -1,0 +1,60 @@
+"""Engines behind the prefill and decode pools, all speaking one ``Engine`` protocol.
+
+- ``emulated``: the simulator's node model (``kairos_ray.nodes``) in wall-clock
+  time, each step sleeping for the profile's step time; deterministic tokens;
+  KV payloads (scaled down) really travel through the Ray object store.
+- ``vllm``: real vLLM engines behind the same protocol (not part of this
+  package yet; a config naming it is rejected with a clear message).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: int
+    prompt_tokens: int
+    max_tokens: int
+    arrival_wall_s: float  # time.time() when the ingress accepted it
+    chunk_schedule: tuple[int, ...] = ()  # set for a deflected request: prefill in these chunks, in place
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """What a prefill node hands to a decode node for a disaggregated request."""
+
+    kv: Any  # ray.ObjectRef of the KV payload (resolved by the decode node, through the object store)
+    kv_bytes: int
+    prefill_queue_s: float
+    prefill_exec_s: float
+    prefill_end_wall_s: float  # time.time() when the prompt's last chunk finished
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    index: int  # 0 for the first token
+    finished: bool
+    timings: dict[str, float] = field(default_factory=dict)  # TTFT breakdown, on the first token only
+
+
+class Engine(Protocol):
+    """One prefill or decode node."""
+
+    node_id: str
+
+    async def prefill(self, request: EngineRequest) -> KVHandoff:
+        """Prefill the whole prompt and hand its KV over (prefill nodes)."""
+        ...
+
+    def generate(self, request: EngineRequest, handoff: KVHandoff | None) -> AsyncIterator[TokenEvent]:
+        """Stream the request's tokens (decode nodes): from ``handoff``'s KV, or deflected per its chunk schedule."""
+        ...
+
+    def state(self) -> dict[str, Any]:
+        """What the router needs of this node now (see ``kairos_ray.serve.router``)."""
+        ...

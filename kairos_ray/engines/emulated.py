@@ -1,0 +1,280 @@
+"""An engine that runs the simulator's node model in wall-clock time.
+
+Each step asks the node model (``kairos_ray.nodes``) what to compute, sleeps
+for what the profile's ground truth says an A100 would take (times noise,
+times ``time_scale``), then applies the step and streams the tokens it made.
+Tokens are deterministic (a function of the request id and the position).
+A prefill node's KV payload is a byte array of ``prompt_tokens *
+kv_bytes_per_token / kv_scale`` bytes put into the Ray object store; the
+decode node fetches it before the request may join its batch, so the
+transport is real even though the numbers are not.
+
+Every step (at most every ``report_interval_s``) and on a heartbeat, the
+engine calls ``on_state`` with its state for the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import ray
+
+from kairos_ray.core import StepLatency
+from kairos_ray.engines import EngineRequest, KVHandoff, TokenEvent
+from kairos_ray.nodes import DecodeNode, Guard, Job, PrefillNode
+from kairos_ray.sim.hardware import ClusterHardware
+
+VOCAB = 1000
+KV_PIN_S = 120.0  # longest a prefill node holds a KV payload that no decode node has confirmed
+
+
+def token_id(request_id: int, index: int) -> int:
+    """The deterministic token an emulated engine emits at ``index`` of request ``request_id``."""
+    return (request_id * 7919 + index * 104729) % VOCAB
+
+
+class EmulatedEngine:
+    """A prefill or decode node (``role``) with emulated step timing."""
+
+    def __init__(
+        self,
+        node_id: str,
+        role: str,
+        truth: StepLatency,
+        predictor: StepLatency,
+        hardware: ClusterHardware,
+        prefill_chunk_tokens: int,
+        guard: Guard | None = None,
+        time_scale: float = 1.0,
+        kv_scale: int = 1000,
+        seed: int = 0,
+        report_interval_s: float = 0.02,
+        on_state: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+        self.node_id, self.role = node_id, role
+        self.truth, self.predictor, self.hw = truth, predictor, hardware
+        self.time_scale, self.kv_scale = time_scale, kv_scale
+        self.report_interval_s = report_interval_s
+        self.on_state = on_state
+        self.prefill_node = PrefillNode(node_id, prefill_chunk_tokens)
+        self.decode_node = DecodeNode(
+            node_id, hardware.kv_capacity_tokens, hardware.max_batch_size, guard, record_durations=False
+        )
+        self._rng = np.random.default_rng(seed)
+        self._sigma = math.sqrt(math.log1p(hardware.noise_cv**2))
+        self._done: dict[int, asyncio.Future[Job]] = {}  # prefill: rid -> future resolved when prefilled
+        self._streams: dict[int, asyncio.Queue[TokenEvent]] = {}  # decode: rid -> its tokens
+        self._emitted: dict[int, int] = {}  # decode: rid -> tokens emitted so far
+        self._active: dict[int, Job] = {}  # decode: jobs in the batch
+        self._timings: dict[int, dict[str, float]] = {}
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._accepted: list[int] = []  # rids accepted since the last report
+        self._pinned: dict[int, tuple[Any, float]] = {}  # prefill: rid -> (KV payload ref, since)
+        self._last_report = 0.0
+        self._last_step_s = 0.0
+        self._predicted_step_s = 0.0
+
+    # ---- the step loop ----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the step loop (and its heartbeat reports); call from the event loop."""
+        self._ensure_loop()
+
+    def _ensure_loop(self) -> asyncio.Event:
+        if self._wake is None:
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+        return self._wake
+
+    def _noise(self) -> float:
+        return float(math.exp(self._rng.standard_normal() * self._sigma - self._sigma**2 / 2))
+
+    async def _loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            step_s = self._begin()
+            if step_s is None:
+                self._report(force=True)
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)  # heartbeat
+                continue
+            start = time.monotonic()
+            await asyncio.sleep(step_s * self.time_scale)
+            self._last_step_s = (time.monotonic() - start) / self.time_scale
+            self._end(step_s)
+            self._report()
+
+    def _begin(self) -> float | None:
+        """Start the next step; its emulated duration, or None when idle."""
+        now = time.monotonic()
+        if self.role == "prefill":
+            step = self.prefill_node.begin_step(now)
+            if step is None:
+                return None
+            self._predicted_step_s = self.predictor.step_s(0, *step)
+            return self.truth.step_s(0, *step) * self._noise()
+        dstep = self.decode_node.begin_step(now)
+        for job in self.decode_node.joined:
+            self._active[job.rid] = job
+        if dstep is None:
+            return None
+        self._predicted_step_s = self.predictor.step_s(*dstep)
+        return self.truth.step_s(*dstep) * self._noise()
+
+    def _end(self, step_s: float) -> None:
+        now = time.monotonic()
+        if self.role == "prefill":
+            done = self.prefill_node.end_step(now)
+            if done is not None:
+                self._done.pop(done.rid).set_result(done)
+            return
+        in_batch = list(self._active.values())
+        node = self.decode_node
+        node.end_step(now, step_s)
+        for job in in_batch:
+            self._emit(job)
+        for job in node.joined:  # deflected jobs whose last chunk just ran: their first token
+            self._emit(job)
+            self._active[job.rid] = job
+        for job in node.finished:
+            if job.rid not in self._active:  # a deflected job with a single output token
+                self._emit(job)
+            self._active.pop(job.rid, None)
+
+    def _emit(self, job: Job) -> None:
+        index = self._emitted.get(job.rid, 0)
+        finished = index + 1 >= job.output
+        timings = self._timings.pop(job.rid, {}) if index == 0 else {}
+        if index == 0:
+            if job.schedule:  # deflected: prefilled here, in chunks
+                timings["prefill_queue_s"] = job.prefill_start_s - job.arrival_s
+                timings["prefill_exec_s"] = job.first_token_s - job.prefill_start_s
+            else:
+                timings["decode_queue_s"] = job.first_token_s - job.kv_ready_s
+        stream = self._streams.get(job.rid)
+        if stream is not None:  # None: the client went away; the job still runs its course
+            stream.put_nowait(TokenEvent(token_id(job.rid, index), index, finished, timings))
+        if finished:
+            self._emitted.pop(job.rid, None)
+        else:
+            self._emitted[job.rid] = index + 1
+
+    # ---- the protocol -----------------------------------------------------------------------
+
+    async def prefill(self, request: EngineRequest) -> KVHandoff:
+        if self.role != "prefill":
+            raise RuntimeError(f"{self.node_id} is a {self.role} node")
+        wake = self._ensure_loop()
+        job = Job(request.request_id, time.monotonic(), request.prompt_tokens, request.max_tokens)
+        self._done[job.rid] = asyncio.get_running_loop().create_future()
+        queued_at = job.arrival_s
+        self.prefill_node.queue.append(job)
+        self._accepted.append(job.rid)
+        wake.set()
+        await self._done[job.rid]
+        kv_bytes = max(1, math.ceil(request.prompt_tokens * self.hw.kv_bytes_per_token / self.kv_scale))
+        kv = ray.put(np.zeros(kv_bytes, dtype=np.uint8))
+        self._pin(job.rid, kv)
+        return KVHandoff(
+            kv=kv,
+            kv_bytes=kv_bytes,
+            prefill_queue_s=job.prefill_start_s - queued_at,
+            prefill_exec_s=job.prefill_end_s - job.prefill_start_s,
+            prefill_end_wall_s=time.time(),
+        )
+
+    def _pin(self, rid: int, kv: Any) -> None:
+        """Hold the KV payload until the decode node has it (``release``), or ``KV_PIN_S`` at most.
+
+        The hand-off carries only a reference; without a holder on this side
+        the payload could be freed before the decode node fetches it.
+        """
+        now = time.monotonic()
+        for old in [r for r, (_, since) in self._pinned.items() if now - since > KV_PIN_S]:
+            del self._pinned[old]
+        self._pinned[rid] = (kv, now)
+
+    def release(self, request_id: int) -> None:
+        """The decode node has the KV of ``request_id``: free it here."""
+        self._pinned.pop(request_id, None)
+
+    async def generate(self, request: EngineRequest, handoff: KVHandoff | None) -> AsyncIterator[TokenEvent]:
+        if self.role != "decode":
+            raise RuntimeError(f"{self.node_id} is a {self.role} node")
+        wake = self._ensure_loop()
+        job = Job(request.request_id, time.monotonic(), request.prompt_tokens, request.max_tokens)
+        stream: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._streams[job.rid] = stream
+        try:
+            if handoff is None:
+                if not request.chunk_schedule or sum(request.chunk_schedule) != request.prompt_tokens:
+                    raise ValueError(
+                        f"a deflected request needs a chunk schedule summing to its {request.prompt_tokens} "
+                        f"prompt tokens, got {request.chunk_schedule}"
+                    )
+                job.schedule = request.chunk_schedule
+                self.decode_node.deflect(job)
+            else:
+                payload = await handoff.kv  # through the object store
+                if payload.nbytes != handoff.kv_bytes:
+                    raise RuntimeError(f"KV payload of {payload.nbytes} bytes, expected {handoff.kv_bytes}")
+                self._timings[job.rid] = {
+                    "prefill_queue_s": handoff.prefill_queue_s,
+                    "prefill_exec_s": handoff.prefill_exec_s,
+                    "kv_transfer_s": max(0.0, time.time() - handoff.prefill_end_wall_s),
+                }
+                self.decode_node.transferred(job, time.monotonic())
+            self._accepted.append(job.rid)
+            wake.set()
+            while True:
+                event = await stream.get()
+                yield event
+                if event.finished:
+                    return
+        finally:
+            self._streams.pop(job.rid, None)
+
+    def state(self) -> dict[str, Any]:
+        accepted, self._accepted = self._accepted, []
+        state: dict[str, Any] = {
+            "node_id": self.node_id,
+            "role": self.role,
+            "wall_s": time.time(),
+            "accepted": accepted,
+            "measured_step_s": self._last_step_s,
+            "predicted_step_s": self._predicted_step_s,
+        }
+        if self.role == "prefill":
+            view = self.prefill_node.view()
+            state.update(
+                queued=list(view.queued_prompt_tokens),
+                head_prefilled=view.head_prefilled_tokens,
+                pinned_kv=len(self._pinned),
+            )
+        else:
+            dview = self.decode_node.view()
+            state.update(
+                batch_size=dview.batch_size,
+                kv_tokens=dview.kv_tokens,
+                free_kv_tokens=dview.free_kv_tokens,
+                committed=[list(c) for c in dview.committed],
+                waiting=len(self.decode_node.waiting),
+            )
+        return state
+
+    def _report(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.on_state is None or (not force and now - self._last_report < self.report_interval_s):
+            return
+        self._last_report = now
+        self.on_state(self.state())

@@ -1,0 +1,75 @@
+"""Ray metrics of the Kairos app (Prometheus names get Ray's ``ray_`` prefix, e.g. ``ray_kairos_decisions_total``).
+
+| metric | kind | tags | what |
+|---|---|---|---|
+| kairos_decisions | counter | route, reason | routing decisions; reason: decode-faster, prefill-faster, |
+|  |  |  | no-safe-decode-node or fallback |
+| kairos_decision_latency_seconds | histogram | | time the router spends in the policy |
+| kairos_view_staleness_seconds | histogram | | age of the oldest engine report behind a decision |
+| kairos_ttft_seconds | histogram | route | time to first token, at the ingress |
+| kairos_tbt_seconds | histogram | route | every gap between streamed tokens, at the ingress |
+| kairos_node_queue_depth | gauge | node | requests queued on a prefill node, waiting on a decode node |
+| kairos_node_batch_size | gauge | node | decoding requests on a decode node |
+| kairos_node_kv_tokens | gauge | node | resident KV tokens on a decode node |
+| kairos_step_seconds | gauge | node, source | last step time: measured, or predicted by the step-latency model |
+| kairos_rejected | counter | reason | requests refused (overload, bad-request) |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+from kairos_ray.core import Decision, Route
+
+LATENCY_BOUNDARIES = [1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05]
+SECONDS_BOUNDARIES = [0.01, 0.02, 0.05, 0.07, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
+
+
+def reason_kind(decision: Decision) -> str:
+    if decision.route is Route.DEFLECT:
+        return "decode-faster"
+    return "no-safe-decode-node" if decision.ttft_decode_s is None else "prefill-faster"
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.decisions = Counter("kairos_decisions", "routing decisions", tag_keys=("route", "reason"))  # type: ignore[arg-type]
+        self.latency = Histogram(
+            "kairos_decision_latency_seconds", "time in the policy per decision", LATENCY_BOUNDARIES
+        )
+        self.staleness = Histogram(
+            "kairos_view_staleness_seconds", "age of the oldest engine report behind a decision", SECONDS_BOUNDARIES
+        )
+        self.queue = Gauge("kairos_node_queue_depth", "queued requests per node", tag_keys=("node",))
+        self.batch = Gauge("kairos_node_batch_size", "decoding requests per decode node", tag_keys=("node",))
+        self.kv = Gauge("kairos_node_kv_tokens", "resident KV tokens per decode node", tag_keys=("node",))
+        self.step = Gauge("kairos_step_seconds", "last step time per node", tag_keys=("node", "source"))  # type: ignore[arg-type]
+
+    def decided(self, decision: Decision, decision_s: float, staleness_s: float) -> None:
+        self.decisions.inc(tags={"route": decision.route.value, "reason": reason_kind(decision)})
+        self.latency.observe(decision_s)
+        self.staleness.observe(staleness_s)
+
+    def node(self, state: dict[str, Any]) -> None:
+        node = state["node_id"]
+        if state["role"] == "prefill":
+            self.queue.set(len(state["queued"]), tags={"node": node})
+        else:
+            self.queue.set(state["waiting"] + len(state["committed"]), tags={"node": node})
+            self.batch.set(state["batch_size"], tags={"node": node})
+            self.kv.set(state["kv_tokens"], tags={"node": node})
+        if state["measured_step_s"]:
+            self.step.set(state["measured_step_s"], tags={"node": node, "source": "measured"})
+            self.step.set(state["predicted_step_s"], tags={"node": node, "source": "predicted"})
+
+
+class IngressMetrics:
+    def __init__(self) -> None:
+        self.ttft = Histogram("kairos_ttft_seconds", "time to first token", SECONDS_BOUNDARIES, tag_keys=("route",))
+        self.tbt = Histogram(
+            "kairos_tbt_seconds", "gaps between streamed tokens", SECONDS_BOUNDARIES, tag_keys=("route",)
+        )
+        self.fallbacks = Counter("kairos_decisions", "routing decisions", tag_keys=("route", "reason"))  # type: ignore[arg-type]
+        self.rejected = Counter("kairos_rejected", "requests refused", tag_keys=("reason",))

@@ -1,0 +1,85 @@
+"""The OpenAI-compatible request shapes the ingress accepts, and its error objects.
+
+Unknown fields are accepted and ignored, as OpenAI-compatible servers do
+(clients and benchmark tools send extras such as ``ignore_eos``). Known fields
+are checked: a bad value is an HTTP 400 with an OpenAI-style error object
+naming the parameter.
+
+Emulated engines count one token per whitespace-separated word of a text
+prompt (a prompt may also be a list of token ids); a chat request counts its
+messages' words plus 4 tokens per message for the template.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or 16
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[int] | list[str]) -> str | list[int] | list[str]:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("prompt must not be empty")
+            if isinstance(value[0], str) and len(value) != 1:
+                raise ValueError("one prompt per request (batches of prompts are not supported)")
+        return value
+
+    def prompt_tokens(self) -> int:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return len(prompt)
+        text = prompt if isinstance(prompt, str) else str(prompt[0])
+        return max(1, len(text.split()))
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def words(self) -> int:
+        if isinstance(self.content, str):
+            return len(self.content.split())
+        if isinstance(self.content, list):
+            return sum(len(str(part.get("text", "")).split()) for part in self.content)
+        return 0
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+    def prompt_tokens(self) -> int:
+        return sum(4 + m.words() for m in self.messages)
+
+
+def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}

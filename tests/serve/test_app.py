@@ -1,0 +1,228 @@
+"""The emulated 2P2D app under real Ray and Serve, driven by real HTTP clients (httpx and openai)."""
+
+import asyncio
+import itertools
+import time
+
+import httpx
+import openai
+import pytest
+from ray import serve
+
+from kairos_ray.engines.emulated import VOCAB, token_id
+from kairos_ray.serve import build_app
+
+from .conftest import MODEL, app_args
+
+
+def completion(url, **body):
+    return httpx.post(f"{url}/v1/completions", json={"model": MODEL, **body}, timeout=120)
+
+
+def at_once(url, count, **body):
+    """``count`` identical completions sent concurrently."""
+
+    async def send():
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            request = {"model": MODEL, **body}
+            return await asyncio.gather(*(client.post("/v1/completions", json=request) for _ in range(count)))
+
+    return asyncio.run(send())
+
+
+def test_health_and_models(live_app):
+    url, _ = live_app
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == [MODEL]
+
+
+def test_completion_reports_route_nodes_and_breakdown(live_app):
+    url, _ = live_app
+    r = completion(url, prompt=list(range(3000)), max_tokens=5)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["usage"] == {"prompt_tokens": 3000, "completion_tokens": 5, "total_tokens": 3005}
+    assert r.headers["x-kairos-route"] in ("prefill", "deflect")
+    assert r.headers["x-kairos-decode-node"] in ("decode-0", "decode-1")
+    parts = dict(p.split("=") for p in r.headers["x-kairos-breakdown"].split(";"))
+    assert set(parts) == {"prefill_queue", "prefill_exec", "kv_transfer", "decode_queue"}
+    assert sum(map(float, parts.values())) == pytest.approx(float(r.headers["x-kairos-ttft-s"]), abs=1e-5)
+    assert body["kairos"]["route"] == r.headers["x-kairos-route"]
+    assert len(body["choices"][0]["text"].split()) == 5
+
+
+def test_a_burst_takes_both_routes(live_app):
+    url, _ = live_app
+
+    responses = at_once(url, 12, prompt=list(range(8000)), max_tokens=8)
+    assert all(r.status_code == 200 for r in responses)
+    routes = {r.headers["x-kairos-route"] for r in responses}
+    assert routes == {"prefill", "deflect"}
+    for r in responses:
+        kairos = r.json()["kairos"]
+        if kairos["route"] == "deflect":
+            assert sum(kairos["chunk_schedule"]) == 8000 and kairos["prefill_node"] is None
+            assert float(kairos["breakdown"]["kv_transfer_s"]) == 0.0
+        else:
+            assert kairos["chunk_schedule"] == [] and kairos["prefill_node"] in ("prefill-0", "prefill-1")
+            assert kairos["breakdown"]["kv_transfer_s"] > 0.0
+
+
+def test_openai_client_streams_and_not(live_app):
+    url, _ = live_app
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    full = client.completions.create(model=MODEL, prompt="one two three four", max_tokens=6)
+    assert full.usage.prompt_tokens == 4 and full.usage.completion_tokens == 6
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="one two", max_tokens=6, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert len([t for t in texts if t]) == 6
+    assert chunks[-1].usage.completion_tokens == 6
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello there"}], max_tokens=3
+    )
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens == 6 and chat.usage.completion_tokens == 3
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+    )
+    deltas = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+    assert len(deltas) == 4
+
+
+def test_tokens_are_deterministic(live_app):
+    url, _ = live_app
+    text = completion(url, prompt="a b c", max_tokens=5).json()["choices"][0]["text"].split()
+    ids = [int(t.removeprefix("tok")) for t in text]
+    # token i of request r is token_id(r, i): consecutive tokens differ by a fixed step
+    step = (token_id(0, 1) - token_id(0, 0)) % VOCAB
+    assert all((b - a) % VOCAB == step for a, b in itertools.pairwise(ids))
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "gpt-9", "prompt": "x"}, "model"),
+        ({"model": MODEL, "prompt": "x", "temperature": 5}, "temperature"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "n": 2}, "n"),
+        ({"model": MODEL}, "prompt"),
+        ({"model": MODEL, "prompt": list(range(32_760)), "max_tokens": 100}, "prompt"),
+    ],
+)
+def test_bad_requests_get_a_400_error_object(live_app, body, param):
+    url, _ = live_app
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+
+
+def test_malformed_json_is_a_400_and_the_service_keeps_serving(live_app):
+    url, _ = live_app
+    r = httpx.post(f"{url}/v1/completions", content=b'{"model": ', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert completion(url, prompt="still here", max_tokens=2).status_code == 200
+
+
+def test_overload_answers_429_with_retry_after_and_loses_nothing(live_app):
+    url, _ = live_app
+
+    responses = at_once(url, 90, prompt=list(range(500)), max_tokens=60)
+    codes = [r.status_code for r in responses]
+    assert set(codes) == {200, 429}, codes
+    for r in responses:
+        if r.status_code == 429:
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["message"].startswith("server busy")
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 60  # every admitted request completes
+    assert httpx.get(f"{url}/health").json()["in_flight"] == 0
+
+
+def test_metrics_reach_the_prometheus_endpoint(live_app):
+    url, metrics_url = live_app
+    completion(url, prompt=list(range(1000)), max_tokens=4)
+    wanted = [
+        "ray_kairos_decisions_total",
+        "ray_kairos_decision_latency_seconds_bucket",
+        "ray_kairos_view_staleness_seconds_bucket",
+        "ray_kairos_ttft_seconds_bucket",
+        "ray_kairos_tbt_seconds_bucket",
+        "ray_kairos_node_queue_depth",
+        "ray_kairos_node_batch_size",
+        "ray_kairos_node_kv_tokens",
+        "ray_kairos_step_seconds",
+        "ray_kairos_rejected_total",
+    ]
+    deadline, missing = time.monotonic() + 90, wanted
+    while time.monotonic() < deadline:
+        text = httpx.get(metrics_url, timeout=10).text
+        missing = [m for m in wanted if m not in text]
+        if not missing:
+            break
+        time.sleep(2)
+    assert not missing
+    assert 'route="prefill"' in text and 'node="decode-0"' in text
+
+
+def test_prefill_nodes_free_handed_off_kv(live_app):
+    url, _ = live_app
+    for _ in range(3):
+        assert completion(url, prompt=list(range(2000)), max_tokens=2).status_code == 200
+    router = serve.get_deployment_handle("Router", app_name="kairos")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        nodes = router.snapshot.remote().result()["nodes"]
+        if all(nodes[n]["pinned_kv"] == 0 for n in ("prefill-0", "prefill-1")):
+            return
+        time.sleep(0.5)
+    pytest.fail(f"prefill nodes still hold KV: {[nodes[n]['pinned_kv'] for n in ('prefill-0', 'prefill-1')]}")
+
+
+def test_router_that_cannot_decide_falls_back_to_disaggregation(live_app):
+    url, metrics_url = live_app
+    # a second app whose router never answers in time
+    serve.run(build_app(app_args(decision_timeout_s=1e-6)), name="fallback", route_prefix="/fallback")
+    try:
+        responses = [completion(f"{url}/fallback", prompt=list(range(300)), max_tokens=3) for _ in range(4)]
+        assert all(r.status_code == 200 for r in responses)
+        assert {r.headers["x-kairos-fallback"] for r in responses} == {"1"}
+        assert {r.headers["x-kairos-route"] for r in responses} == {"prefill"}
+        assert {r.headers["x-kairos-prefill-node"] for r in responses} == {"prefill-0", "prefill-1"}
+        assert all(r.json()["usage"]["completion_tokens"] == 3 for r in responses)
+        deadline = time.monotonic() + 90
+        while 'reason="fallback"' not in httpx.get(metrics_url, timeout=10).text:
+            assert time.monotonic() < deadline, "fallbacks are not counted"
+            time.sleep(2)
+    finally:
+        serve.delete("fallback")
+
+
+def test_kairos_bench_replays_a_workload_against_the_app(live_app, tmp_path):
+    import csv
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    url, _ = live_app
+    out = tmp_path / "bench"
+    kairos = Path(sys.executable).parent / "kairos"
+    result = subprocess.run(
+        [str(kairos), "bench", "--url", url, "--workload", "lpld", "--rps", "6", "--requests", "24",
+         "--seed", "4", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "24 of 24 requests served" in result.stdout
+    with (out / "summary.csv").open() as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["requests"] == "24" and row["failed"] == "0"
+    assert float(row["p95_ttft_s"]) > 0 and float(row["p95_tbt_s"]) > 0
+    with (out / "requests.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert {r["route"] for r in rows} <= {"prefill", "deflect"} and len(rows) == 24
+    assert all(float(r["ttft_s"]) > 0 and r["decode_node"].startswith("decode-") for r in rows)
+    assert (out / "p95_ttft_vs_rps.png").exists()

@@ -1,0 +1,90 @@
+"""The shipped Serve configs validate; the router's state keeping, without Serve."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from kairos_ray.config import KairosConfig
+from kairos_ray.core import Route
+from kairos_ray.serve import build_app
+from kairos_ray.serve.args import AppArgs
+from kairos_ray.serve.router import MissingState, RouterState
+
+CONFIGS = Path(__file__).resolve().parents[2] / "serve_configs"
+
+
+def args_of(name: str) -> dict:
+    (app,) = yaml.safe_load((CONFIGS / name).read_text())["applications"]
+    assert app["import_path"] == "kairos_ray.serve:build_app"
+    return app["args"]
+
+
+@pytest.mark.parametrize("name", ["2p2d-emulated.yaml", "2p2d.yaml"])
+def test_shipped_configs_validate(name):
+    args = AppArgs.model_validate(args_of(name))
+    assert args.prefill_config.deployment_config.num_replicas == 2
+    assert args.decode_config.deployment_config.num_replicas == 2
+    assert args.prefill_config.deployment_config.ray_actor_options["resources"] == {"prefill_node": 1}
+    assert args.decode_config.deployment_config.ray_actor_options["resources"] == {"decode_node": 1}
+
+
+def test_production_config_names_a100_nodes_and_says_vllm_is_not_built():
+    args = AppArgs.model_validate(args_of("2p2d.yaml"))
+    assert args.prefill_config.engine_kwargs["tensor_parallel_size"] == 8
+    assert args.decode_config.deployment_config.ray_actor_options["num_gpus"] == 8
+    with pytest.raises(ValueError, match="vLLM backend is not built yet"):
+        build_app(args)
+
+
+def test_unknown_args_are_rejected():
+    args = args_of("2p2d-emulated.yaml")
+    args["decode_config"]["replicas"] = 3
+    with pytest.raises(ValidationError, match="replicas"):
+        AppArgs.model_validate(args)
+
+
+def prefill_state(node, queued, accepted=()):
+    return {"node_id": node, "role": "prefill", "queued": queued, "head_prefilled": 0, "accepted": list(accepted)}
+
+
+def decode_state(node, batch=0, accepted=()):
+    return {
+        "node_id": node,
+        "role": "decode",
+        "batch_size": batch,
+        "kv_tokens": 0,
+        "free_kv_tokens": 1_000_000,
+        "committed": [],
+        "accepted": list(accepted),
+    }
+
+
+def fresh_router(ttl=2.0):
+    return RouterState(KairosConfig().build_policy("pd"), ["p0"], ["d0"], pending_ttl_s=ttl)
+
+
+def test_router_needs_every_node_before_deciding():
+    router = fresh_router()
+    router.report(prefill_state("p0", []), now=0.0)
+    with pytest.raises(MissingState, match="d0"):
+        router.decide(1, 100, now=0.1)
+    with pytest.raises(ValueError, match="unknown node"):
+        router.report(prefill_state("p9", []), now=0.1)
+
+
+def test_ledger_shows_undelivered_decisions_until_acknowledged_or_expired():
+    router = fresh_router()
+    router.report(prefill_state("p0", []), now=0.0)
+    router.report(decode_state("d0"), now=0.0)
+    decision, staleness = router.decide(1, 500, now=0.5)
+    assert decision.route is Route.PREFILL and staleness == pytest.approx(0.5)
+    view, _ = router.view(now=0.6)
+    assert view.prefill[0].queued_prompt_tokens == (500,)  # the engine has not said it has it yet
+    router.report(prefill_state("p0", [500], accepted=[1]), now=0.7)
+    view, _ = router.view(now=0.8)
+    assert view.prefill[0].queued_prompt_tokens == (500,)  # now from the engine, not twice
+    router.decide(2, 300, now=1.0)
+    view, _ = router.view(now=5.0)  # never acknowledged: dropped after the TTL
+    assert view.prefill[0].queued_prompt_tokens == (500,)
