@@ -197,7 +197,13 @@ class Ingress:
         # What the engines did not time (routing, RPCs) is waiting before the prefill starts.
         timings["prefill_queue_s"] += max(0.0, ttft - sum(timings.values()))
         self.metrics.ttft.observe(ttft, tags={"route": decision["route"]})
-        route = {**decision, "ttft_s": ttft, "breakdown": timings, "last_token_s": time.monotonic()}
+        route = {
+            **decision,
+            "request_id": request.request_id,
+            "ttft_s": ttft,
+            "breakdown": timings,
+            "last_token_s": time.monotonic(),
+        }
         return route, first, iterator
 
     async def _timed(self, stream: AsyncIterator[TokenEvent], route: dict[str, Any]) -> AsyncIterator[TokenEvent]:
@@ -243,7 +249,7 @@ class Ingress:
             "completion_tokens": len(tokens),
             "total_tokens": prompt_tokens + len(tokens),
         }
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{route.get('request_id', id(tokens))}"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{route['request_id']}"
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -268,7 +274,7 @@ class Ingress:
         stream: AsyncIterator[TokenEvent],
         prompt_tokens: int,
     ) -> AsyncIterator[str]:
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{id(route)}"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{route['request_id']}"
         created = int(time.time())
         count = 0
 

@@ -226,3 +226,40 @@ def test_kairos_bench_replays_a_workload_against_the_app(live_app, tmp_path):
     assert {r["route"] for r in rows} <= {"prefill", "deflect"} and len(rows) == 24
     assert all(float(r["ttft_s"]) > 0 and r["decode_node"].startswith("decode-") for r in rows)
     assert (out / "p95_ttft_vs_rps.png").exists()
+
+
+def test_vllm_bench_serve_runs_unchanged(live_app, tmp_path):
+    import json
+    import re
+    import subprocess
+    import sys
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    # vLLM's benchmark tokenizes its random prompts; a small byte-level BPE made here stands in for a hub download
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = ["load aware prefill deflection for disaggregated serving on ray with vllm engines"] * 20
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 32768}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+
+    url, _ = live_app
+    code = (
+        "import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+        "from vllm.benchmarks.serve import add_cli_args, main; "
+        "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, "--backend", "openai", "--base-url", url, "--model", MODEL,
+         "--tokenizer", str(tmp_path), "--dataset-name", "random", "--random-input-len", "200",
+         "--random-output-len", "16", "--num-prompts", "20", "--request-rate", "10", "--ignore-eos",
+         "--ready-check-timeout-sec", "60"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"Successful requests:\s+20\b", result.stdout), result.stdout[-3000:]
+    assert re.search(r"Failed requests:\s+0\b", result.stdout)
