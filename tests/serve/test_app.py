@@ -1,13 +1,20 @@
 """The emulated 2P2D app under real Ray and Serve, driven by real HTTP clients (httpx and openai)."""
 
 import asyncio
+import csv
 import itertools
+import json
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from ray import serve
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kairos_ray.engines.emulated import VOCAB, token_id
 from kairos_ray.serve import build_app
@@ -142,21 +149,13 @@ def test_overload_answers_429_with_retry_after_and_loses_nothing(live_app):
     assert httpx.get(f"{url}/health").json()["in_flight"] == 0
 
 
-def test_metrics_reach_the_prometheus_endpoint(live_app):
+def test_metrics_reach_the_prometheus_endpoint_and_cover_the_dashboard(live_app):
     url, metrics_url = live_app
     completion(url, prompt=list(range(1000)), max_tokens=4)
-    wanted = [
-        "ray_kairos_decisions_total",
-        "ray_kairos_decision_latency_seconds_bucket",
-        "ray_kairos_view_staleness_seconds_bucket",
-        "ray_kairos_ttft_seconds_bucket",
-        "ray_kairos_tbt_seconds_bucket",
-        "ray_kairos_node_queue_depth",
-        "ray_kairos_node_batch_size",
-        "ray_kairos_node_kv_tokens",
-        "ray_kairos_step_seconds",
-        "ray_kairos_rejected_total",
-    ]
+    dashboard = (Path(__file__).resolve().parents[2] / "cluster" / "grafana" / "kairos-dashboard.json").read_text()
+    queried = set(re.findall(r"ray_kairos_\w+", dashboard))
+    assert len(queried) >= 10
+    wanted = sorted(queried)
     deadline, missing = time.monotonic() + 90, wanted
     while time.monotonic() < deadline:
         text = httpx.get(metrics_url, timeout=10).text
@@ -202,10 +201,6 @@ def test_router_that_cannot_decide_falls_back_to_disaggregation(live_app):
 
 
 def test_kairos_bench_replays_a_workload_against_the_app(live_app, tmp_path):
-    import csv
-    import subprocess
-    import sys
-    from pathlib import Path
 
     url, _ = live_app
     out = tmp_path / "bench"
@@ -229,12 +224,6 @@ def test_kairos_bench_replays_a_workload_against_the_app(live_app, tmp_path):
 
 
 def test_vllm_bench_serve_runs_unchanged(live_app, tmp_path):
-    import json
-    import re
-    import subprocess
-    import sys
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     # vLLM's benchmark tokenizes its random prompts; a small byte-level BPE made here stands in for a hub download
     tokenizer = Tokenizer(models.BPE())

@@ -21,11 +21,11 @@ def args_of(name: str) -> dict:
     return app["args"]
 
 
-@pytest.mark.parametrize("name", ["2p2d-emulated.yaml", "2p2d.yaml"])
-def test_shipped_configs_validate(name):
+@pytest.mark.parametrize("name, nodes", [("2p2d-emulated.yaml", 2), ("2p2d.yaml", 2), ("1p1d.yaml", 1)])
+def test_shipped_configs_validate(name, nodes):
     args = AppArgs.model_validate(args_of(name))
-    assert args.prefill_config.deployment_config.num_replicas == 2
-    assert args.decode_config.deployment_config.num_replicas == 2
+    assert args.prefill_config.deployment_config.num_replicas == nodes
+    assert args.decode_config.deployment_config.num_replicas == nodes
     assert args.prefill_config.deployment_config.ray_actor_options["resources"] == {"prefill_node": 1}
     assert args.decode_config.deployment_config.ray_actor_options["resources"] == {"decode_node": 1}
 

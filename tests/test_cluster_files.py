@@ -1,0 +1,58 @@
+"""The Azure cluster files validate against Ray's own schema and carry what the Serve configs ask for."""
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import ray.autoscaler
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+PAIRS = [("azure-1p1d.yaml", "1p1d.yaml"), ("azure-2p2d.yaml", "2p2d.yaml")]
+
+
+def load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+@pytest.mark.parametrize("cluster", [c for c, _ in PAIRS])
+def test_cluster_file_validates_offline(cluster):
+    config = load(ROOT / "cluster" / cluster)
+    jsonschema.validate(config, SCHEMA)
+    validate_config(prepare_config(config))  # what `ray up` does: Azure defaults filled in, then checked
+    assert config["provider"]["type"] == "azure"
+    for name, node_type in config["available_node_types"].items():
+        for value in node_type["resources"].values():
+            assert isinstance(value, int), f"{name}: custom resources must be integers"
+
+
+@pytest.mark.parametrize("cluster, serve_config", PAIRS)
+def test_node_groups_provide_what_the_pools_ask_for(cluster, serve_config):
+    node_types = load(ROOT / "cluster" / cluster)["available_node_types"]
+    (app,) = load(ROOT / "serve_configs" / serve_config)["applications"]
+    for pool_key, group, resource in (
+        ("prefill_config", "prefill", "prefill_node"),
+        ("decode_config", "decode", "decode_node"),
+    ):
+        pool = app["args"][pool_key]["deployment_config"]
+        wanted = pool["ray_actor_options"]
+        node = node_types[group]
+        assert node["node_config"]["azure_arm_parameters"]["vmSize"] == "Standard_ND96amsr_A100_v4"
+        # one replica per VM: it fits on one node of its group and on no node of another group
+        assert wanted["resources"] == {resource: 1} and node["resources"][resource] == 1
+        assert wanted["num_gpus"] <= node["resources"]["GPU"]
+        assert all(resource not in t["resources"] for n, t in node_types.items() if n != group)
+        # enough nodes at start, and room to grow
+        assert node["min_workers"] >= pool["num_replicas"]
+        assert node["max_workers"] > node["min_workers"]
+        assert app["args"][pool_key]["engine_kwargs"]["tensor_parallel_size"] == node["resources"]["GPU"]
+
+
+def test_dashboard_and_metrics_listen_on_the_private_address_only():
+    for cluster, _ in PAIRS:
+        head = " ".join(load(ROOT / "cluster" / cluster)["head_start_ray_commands"])
+        assert '--dashboard-host="$(hostname -I' in head
+        assert "0.0.0.0" not in head
