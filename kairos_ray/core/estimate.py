@@ -50,14 +50,19 @@ def chunked_prefill_s(model: StepLatency, prompt_tokens: int, context_tokens: in
     return seconds
 
 
-def prefill_ttft_exact_s(model: StepLatency, node: PrefillNodeView, prompt_tokens: int, chunk_tokens: int) -> float:
-    """Eq. 1 with the queue walked request by request: every queued prompt, then r itself."""
+def queue_wait_exact_s(model: StepLatency, node: PrefillNodeView, chunk_tokens: int) -> float:
+    """W_queue walked request by request: every queued prompt in chunks, the head from its cached context."""
     seconds = 0.0
     context = node.head_prefilled_tokens
     for tokens in node.queued_prompt_tokens:
         seconds += chunked_prefill_s(model, tokens, context, chunk_tokens)
         context = 0
-    return seconds + chunked_prefill_s(model, prompt_tokens, 0, chunk_tokens)
+    return seconds
+
+
+def prefill_ttft_exact_s(model: StepLatency, node: PrefillNodeView, prompt_tokens: int, chunk_tokens: int) -> float:
+    """Eq. 1 with the queue walked request by request: every queued prompt, then r itself."""
+    return queue_wait_exact_s(model, node, chunk_tokens) + chunked_prefill_s(model, prompt_tokens, 0, chunk_tokens)
 
 
 PrefillEstimator = Callable[[StepLatency, PrefillNodeView, int, int], float]

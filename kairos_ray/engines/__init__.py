@@ -29,6 +29,7 @@ class KVHandoff:
 
     kv: Any  # ray.ObjectRef of the KV payload (resolved by the decode node, through the object store)
     kv_bytes: int
+    node_id: str  # the prefill node that built it
     prefill_queue_s: float
     prefill_exec_s: float
     prefill_end_wall_s: float  # time.time() when the prompt's last chunk finished
@@ -40,6 +41,7 @@ class TokenEvent:
     index: int  # 0 for the first token
     finished: bool
     timings: dict[str, float] = field(default_factory=dict)  # TTFT breakdown, on the first token only
+    node_id: str = ""  # the decode node that streams it
 
 
 class Engine(Protocol):

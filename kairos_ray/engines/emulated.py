@@ -163,7 +163,7 @@ class EmulatedEngine:
                 timings["decode_queue_s"] = job.first_token_s - job.kv_ready_s
         stream = self._streams.get(job.rid)
         if stream is not None:  # None: the client went away; the job still runs its course
-            stream.put_nowait(TokenEvent(token_id(job.rid, index), index, finished, timings))
+            stream.put_nowait(TokenEvent(token_id(job.rid, index), index, finished, timings, self.node_id))
         if finished:
             self._emitted.pop(job.rid, None)
         else:
@@ -188,6 +188,7 @@ class EmulatedEngine:
         return KVHandoff(
             kv=kv,
             kv_bytes=kv_bytes,
+            node_id=self.node_id,
             prefill_queue_s=job.prefill_start_s - queued_at,
             prefill_exec_s=job.prefill_end_s - job.prefill_start_s,
             prefill_end_wall_s=time.time(),

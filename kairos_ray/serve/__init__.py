@@ -1,9 +1,10 @@
 """The Kairos-Ray Ray Serve application: ``serve run serve_configs/2p2d-emulated.yaml``.
 
 ``build_app(args)`` wires an OpenAI-compatible ``Ingress``, one ``Router``
-replica and one ``EngineServer`` deployment per node (``prefill-0``, ...,
-``decode-0``, ...), each pinned to its node group through the pool's
-``ray_actor_options`` (e.g. ``resources: {prefill_node: 0.01}``).
+replica and two ``EngineServer`` deployments, ``prefill`` and ``decode``, with
+one replica per node, pinned to its node group through the pool's
+``ray_actor_options`` (e.g. ``resources: {prefill_node: 1}``); with an
+``autoscaling`` section a pool grows and shrinks on Kairos's signals.
 """
 
 from __future__ import annotations
@@ -12,17 +13,49 @@ from typing import Any
 
 from ray.serve import Application
 
+from kairos_ray.config import KairosConfig
 from kairos_ray.serve.args import AppArgs, PoolConfig
 from kairos_ray.serve.engine_server import EngineServer
 from kairos_ray.serve.ingress import Ingress
 from kairos_ray.serve.router import Router
 
 
-def _actor_options(pool: PoolConfig) -> dict[str, Any]:
-    options = {"num_cpus": 0, **pool.deployment_config.ray_actor_options}
+def _pool(
+    role: str,
+    pool: PoolConfig,
+    kairos: KairosConfig,
+    kairos_args: dict[str, Any],
+    serving: dict[str, Any],
+    router: Application,
+) -> Application:
+    """One deployment for the pool: a replica per node, routed per call to the chosen node."""
+    options: dict[str, Any] = {
+        "name": role,
+        "ray_actor_options": {"num_cpus": 0, **pool.deployment_config.ray_actor_options},
+        "max_ongoing_requests": pool.deployment_config.max_ongoing_requests,
+        "request_router_config": {"request_router_class": "kairos_ray.serve.routing:NodeRouter"},
+    }
     if pool.accelerator_type:
-        options["accelerator_type"] = pool.accelerator_type
-    return options
+        options["ray_actor_options"]["accelerator_type"] = pool.accelerator_type
+    scaling = pool.autoscaling
+    if scaling is None:
+        options["num_replicas"] = pool.deployment_config.num_replicas
+    else:
+        options["autoscaling_config"] = {
+            "min_replicas": scaling.min_replicas,
+            "max_replicas": scaling.max_replicas,
+            "initial_replicas": pool.deployment_config.num_replicas,
+            "look_back_period_s": 2.0,
+            "policy": {
+                "policy_function": "kairos_ray.serve.autoscaling:KairosPoolPolicy",
+                "policy_kwargs": {
+                    "role": role,
+                    "ttft_slo_s": kairos.slo.ttft_s,
+                    **scaling.model_dump(exclude={"min_replicas", "max_replicas"}),
+                },
+            },
+        }
+    return EngineServer.options(**options).bind(role, kairos_args, serving, router)
 
 
 def build_app(args: AppArgs | dict[str, Any]) -> Application:
@@ -36,24 +69,11 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
             )
     kairos = args.kairos.model_dump(mode="json")
     serving = args.serving.model_dump(mode="json")
-    prefill_ids = [f"prefill-{i}" for i in range(args.prefill_config.deployment_config.num_replicas)]
-    decode_ids = [f"decode-{i}" for i in range(args.decode_config.deployment_config.num_replicas)]
-    router = Router.bind(kairos, prefill_ids, decode_ids)
-
-    def nodes(ids: list[str], role: str, pool: PoolConfig) -> dict[str, Application]:
-        return {
-            node: EngineServer.options(
-                name=node,
-                ray_actor_options=_actor_options(pool),
-                max_ongoing_requests=pool.deployment_config.max_ongoing_requests,
-            ).bind(node, role, kairos, serving, router)
-            for node in ids
-        }
-
+    router = Router.bind(kairos)
     return Ingress.bind(
         router,
-        nodes(prefill_ids, "prefill", args.prefill_config),
-        nodes(decode_ids, "decode", args.decode_config),
+        _pool("prefill", args.prefill_config, args.kairos, kairos, serving, router),
+        _pool("decode", args.decode_config, args.kairos, kairos, serving, router),
         args.decode_config.model_loading_config.model_id,
         serving,
     )

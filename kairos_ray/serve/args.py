@@ -2,15 +2,14 @@
 
 A Ray Serve LLM user switches by changing ``import_path`` and adding the
 ``kairos`` section. Each pool's ``deployment_config.num_replicas`` is its
-number of nodes: every node is its own one-replica deployment
-(``prefill-0``, ``decode-1``, ...) so the router can address it.
+number of nodes (its initial number with an ``autoscaling`` section).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kairos_ray.config import KairosConfig
 
@@ -32,6 +31,28 @@ class DeploymentConfig(_Strict):
     )
 
 
+class PoolAutoscaling(_Strict):
+    """Scale the pool on Kairos's signals (``kairos_ray.serve.autoscaling``)."""
+
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(4, ge=1)
+    wait_share: float = Field(0.5, gt=0, description="prefill: scale out when the mean wait > this share of TTFT SLO")
+    quiet_share: float = Field(0.1, ge=0, description="prefill: scale in when the mean wait < this share")
+    min_tbt_headroom_s: float = Field(0.01, ge=0, description="decode: scale out below this TBT headroom")
+    min_kv_free_share: float = Field(0.1, ge=0, le=1, description="decode: scale out below this free KV share")
+    upscale_after_s: float = Field(5.0, ge=0, description="pressure must hold this long")
+    downscale_after_s: float = Field(30.0, ge=0, description="quiet must hold this long")
+    cooldown_s: float = Field(30.0, ge=0, description="least time between two changes")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PoolAutoscaling:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        if self.quiet_share >= self.wait_share:
+            raise ValueError(f"quiet_share ({self.quiet_share}) must be below wait_share ({self.wait_share})")
+        return self
+
+
 class PoolConfig(_Strict):
     """One pool (prefill or decode): LLMConfig-like."""
 
@@ -40,6 +61,17 @@ class PoolConfig(_Strict):
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to vLLM as-is")
     deployment_config: DeploymentConfig = DeploymentConfig()
     accelerator_type: str | None = None
+    autoscaling: PoolAutoscaling | None = Field(None, description="absent: a fixed num_replicas nodes")
+
+    @model_validator(mode="after")
+    def _initial_within_bounds(self) -> PoolConfig:
+        scaling, initial = self.autoscaling, self.deployment_config.num_replicas
+        if scaling is not None and not scaling.min_replicas <= initial <= scaling.max_replicas:
+            raise ValueError(
+                f"deployment_config.num_replicas ({initial}) must lie within autoscaling "
+                f"[{scaling.min_replicas}, {scaling.max_replicas}]"
+            )
+        return self
 
 
 class ServingConfig(_Strict):

@@ -64,17 +64,16 @@ class Ingress:
     def __init__(
         self,
         router: DeploymentHandle,
-        prefill: dict[str, DeploymentHandle],
-        decode: dict[str, DeploymentHandle],
+        prefill: DeploymentHandle,
+        decode: DeploymentHandle,
         model_id: str,
         serving: dict[str, Any],
     ) -> None:
-        self.router, self.prefill, self.decode = router, prefill, decode
+        self.router, self.prefill, self.decode = router, prefill, decode  # the pools: calls name their node
         self.model_id = model_id
         self.opts = ServingConfig.model_validate(serving)
         self.in_flight = 0
         self._ids = itertools.count(random.getrandbits(30) << 20)
-        self._round_robin = itertools.count()
         self.metrics = IngressMetrics()
 
     # ---- plain endpoints -------------------------------------------------------------------
@@ -160,15 +159,13 @@ class Ingress:
             return await asyncio.wait_for(
                 self.router.decide.remote(request.request_id, request.prompt_tokens), self.opts.decision_timeout_s
             )
-        except Exception as exc:  # the router cannot decide: plain disaggregation, counted
-            turn = next(self._round_robin)
-            prefill, decode = sorted(self.prefill), sorted(self.decode)
+        except Exception as exc:  # the router cannot decide: plain disaggregation on any nodes, counted
             self.metrics.fallbacks.inc(tags={"route": "prefill", "reason": "fallback"})
             logger.warning("router could not decide (%s: %s); disaggregating", type(exc).__name__, exc)
             return {
                 "route": "prefill",
-                "prefill_node": prefill[turn % len(prefill)],
-                "decode_node": decode[turn % len(decode)],
+                "prefill_node": None,
+                "decode_node": None,
                 "chunk_schedule": (),
                 "reason": f"fallback: {type(exc).__name__}",
                 "fallback": True,
@@ -177,21 +174,22 @@ class Ingress:
     async def _start(self, request: EngineRequest) -> tuple[dict[str, Any], TokenEvent, AsyncIterator[TokenEvent]]:
         """Route the request and wait for its first token: (route info, first token, the rest)."""
         decision = await self._decide(request)
-        decode = self.decode[decision["decode_node"]].options(stream=True)
+        decode = self.decode.options(stream=True)
         if decision["route"] == "deflect":
             schedule = tuple(decision["chunk_schedule"])
             request = EngineRequest(
                 request.request_id, request.prompt_tokens, request.max_tokens, request.arrival_wall_s, schedule
             )
-            stream = decode.generate.remote(request, None)
+            stream = decode.generate.remote(request, None, node=decision["decode_node"])
         else:
-            prefill = self.prefill[decision["prefill_node"]]
-            handoff = await prefill.prefill.remote(request)
-            stream = decode.generate.remote(request, handoff)
+            handoff = await self.prefill.prefill.remote(request, node=decision["prefill_node"])
+            decision["prefill_node"] = handoff.node_id  # where it ran (the chosen node unless that one is gone)
+            stream = decode.generate.remote(request, handoff, node=decision["decode_node"])
         iterator = stream.__aiter__()
         first: TokenEvent = await iterator.__anext__()
-        if decision["route"] != "deflect":
-            prefill.release.remote(request.request_id)  # the decode node has the KV: free it there
+        decision["decode_node"] = first.node_id
+        if decision["route"] != "deflect":  # the decode node has the KV: free it on the prefill node
+            self.prefill.release.remote(request.request_id, node=decision["prefill_node"])
         ttft = time.time() - request.arrival_wall_s
         timings = {name: first.timings.get(name, 0.0) for name in BREAKDOWN}
         # What the engines did not time (routing, RPCs) is waiting before the prefill starts.
@@ -218,7 +216,7 @@ class Ingress:
         schedule = route.get("chunk_schedule") or ()
         return {
             "x-kairos-route": route["route"],
-            "x-kairos-prefill-node": route.get("prefill_node") or "",
+            "x-kairos-prefill-node": route.get("prefill_node") or "",  # empty when deflected
             "x-kairos-decode-node": route["decode_node"],
             "x-kairos-chunk-schedule": ",".join(str(c) for c in schedule),
             "x-kairos-ttft-s": f"{route['ttft_s']:.6f}",

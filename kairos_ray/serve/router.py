@@ -11,6 +11,9 @@ cluster is built from two sources:
   once. An engine acknowledges a request by listing its id in ``accepted``; an
   entry older than ``pending_ttl_s`` is dropped in any case.
 
+Nodes join by reporting (pools scale) and leave when they have not reported
+for ``node_timeout_s`` (engines send a heartbeat every second when idle).
+
 ``Router`` is the Serve deployment around it (one replica), with metrics.
 """
 
@@ -45,12 +48,9 @@ def node_view(state: dict[str, Any]) -> PrefillNodeView | DecodeNodeView:
 
 
 class RouterState:
-    def __init__(
-        self, policy: Policy, prefill_ids: list[str], decode_ids: list[str], pending_ttl_s: float = 2.0
-    ) -> None:
+    def __init__(self, policy: Policy, pending_ttl_s: float = 2.0, node_timeout_s: float = 5.0) -> None:
         self.policy = policy
-        self.prefill_ids, self.decode_ids = prefill_ids, decode_ids
-        self.pending_ttl_s = pending_ttl_s
+        self.pending_ttl_s, self.node_timeout_s = pending_ttl_s, node_timeout_s
         self.views: dict[str, PrefillNodeView | DecodeNodeView] = {}
         self.received: dict[str, float] = {}  # node id -> monotonic time of its last report
         self.states: dict[str, dict[str, Any]] = {}
@@ -58,23 +58,26 @@ class RouterState:
 
     def report(self, state: dict[str, Any], now: float) -> None:
         node = state["node_id"]
-        if node not in self.prefill_ids and node not in self.decode_ids:
-            raise ValueError(f"report from unknown node {node!r}")
+        if state.get("role") not in ("prefill", "decode"):
+            raise ValueError(f"report from {node!r} with unknown role {state.get('role')!r}")
         self.views[node] = node_view(state)
         self.states[node] = state
         self.received[node] = now
         for rid in state.get("accepted", ()):
             self.pending.pop(rid, None)
 
+    def forget_silent_nodes(self, now: float) -> None:
+        for node in [n for n, seen in self.received.items() if now - seen > self.node_timeout_s]:
+            del self.views[node], self.states[node], self.received[node]
+
     def view(self, now: float) -> tuple[ClusterView, float]:
         """(view, staleness in seconds of the oldest report in it)."""
-        missing = [n for n in (*self.prefill_ids, *self.decode_ids) if n not in self.views]
-        if missing:
-            raise MissingState(f"no state yet from {', '.join(missing)}")
-        view = ClusterView(
-            tuple(self.views[n] for n in self.prefill_ids),
-            tuple(self.views[n] for n in self.decode_ids),
-        )
+        self.forget_silent_nodes(now)
+        prefill = tuple(v for _, v in sorted(self.views.items()) if isinstance(v, PrefillNodeView))
+        decode = tuple(v for _, v in sorted(self.views.items()) if isinstance(v, DecodeNodeView))
+        if not prefill or not decode:
+            raise MissingState(f"{len(prefill)} prefill and {len(decode)} decode nodes have reported")
+        view = ClusterView(prefill, decode)
         for rid, (prompt, decision, when) in list(self.pending.items()):
             if now - when > self.pending_ttl_s:
                 del self.pending[rid]
@@ -94,9 +97,9 @@ class RouterState:
 class Router:
     """One replica: every decision goes through it, so it sees every dispatch."""
 
-    def __init__(self, kairos: dict[str, Any], prefill_ids: list[str], decode_ids: list[str]) -> None:
+    def __init__(self, kairos: dict[str, Any]) -> None:
         config = KairosConfig.model_validate(kairos)
-        self.state = RouterState(config.build_policy(), prefill_ids, decode_ids)
+        self.state = RouterState(config.build_policy())
         self.metrics = RouterMetrics()
 
     async def decide(self, request_id: int, prompt_tokens: int) -> dict[str, Any]:
@@ -111,5 +114,6 @@ class Router:
         self.metrics.node(state)
 
     async def snapshot(self) -> dict[str, Any]:
-        """Last state of every node and the ledger size (for tests and debugging)."""
+        """Last state of every live node and the ledger size (for tests and debugging)."""
+        self.state.forget_silent_nodes(time.monotonic())
         return {"nodes": self.state.states, "pending": len(self.state.pending)}

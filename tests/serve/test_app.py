@@ -50,7 +50,7 @@ def test_completion_reports_route_nodes_and_breakdown(live_app):
     body = r.json()
     assert body["usage"] == {"prompt_tokens": 3000, "completion_tokens": 5, "total_tokens": 3005}
     assert r.headers["x-kairos-route"] in ("prefill", "deflect")
-    assert r.headers["x-kairos-decode-node"] in ("decode-0", "decode-1")
+    assert r.headers["x-kairos-decode-node"].startswith("decode-")
     parts = dict(p.split("=") for p in r.headers["x-kairos-breakdown"].split(";"))
     assert set(parts) == {"prefill_queue", "prefill_exec", "kv_transfer", "decode_queue"}
     assert sum(map(float, parts.values())) == pytest.approx(float(r.headers["x-kairos-ttft-s"]), abs=1e-5)
@@ -71,7 +71,7 @@ def test_a_burst_takes_both_routes(live_app):
             assert sum(kairos["chunk_schedule"]) == 8000 and kairos["prefill_node"] is None
             assert float(kairos["breakdown"]["kv_transfer_s"]) == 0.0
         else:
-            assert kairos["chunk_schedule"] == [] and kairos["prefill_node"] in ("prefill-0", "prefill-1")
+            assert kairos["chunk_schedule"] == [] and kairos["prefill_node"].startswith("prefill-")
             assert kairos["breakdown"]["kv_transfer_s"] > 0.0
 
 
@@ -164,7 +164,7 @@ def test_metrics_reach_the_prometheus_endpoint_and_cover_the_dashboard(live_app)
             break
         time.sleep(2)
     assert not missing
-    assert 'route="prefill"' in text and 'node="decode-0"' in text
+    assert 'route="prefill"' in text and 'node="decode-' in text
 
 
 def test_prefill_nodes_free_handed_off_kv(live_app):
@@ -174,11 +174,11 @@ def test_prefill_nodes_free_handed_off_kv(live_app):
     router = serve.get_deployment_handle("Router", app_name="kairos")
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        nodes = router.snapshot.remote().result()["nodes"]
-        if all(nodes[n]["pinned_kv"] == 0 for n in ("prefill-0", "prefill-1")):
+        pinned = [s["pinned_kv"] for s in router.snapshot.remote().result()["nodes"].values() if s["role"] == "prefill"]
+        if len(pinned) == 2 and not any(pinned):
             return
         time.sleep(0.5)
-    pytest.fail(f"prefill nodes still hold KV: {[nodes[n]['pinned_kv'] for n in ('prefill-0', 'prefill-1')]}")
+    pytest.fail(f"prefill nodes still hold KV: {pinned}")
 
 
 def test_router_that_cannot_decide_falls_back_to_disaggregation(live_app):
@@ -190,7 +190,8 @@ def test_router_that_cannot_decide_falls_back_to_disaggregation(live_app):
         assert all(r.status_code == 200 for r in responses)
         assert {r.headers["x-kairos-fallback"] for r in responses} == {"1"}
         assert {r.headers["x-kairos-route"] for r in responses} == {"prefill"}
-        assert {r.headers["x-kairos-prefill-node"] for r in responses} == {"prefill-0", "prefill-1"}
+        assert all(r.headers["x-kairos-prefill-node"].startswith("prefill-") for r in responses)
+        assert all(r.headers["x-kairos-decode-node"].startswith("decode-") for r in responses)
         assert all(r.json()["usage"]["completion_tokens"] == 3 for r in responses)
         deadline = time.monotonic() + 90
         while 'reason="fallback"' not in httpx.get(metrics_url, timeout=10).text:

@@ -62,16 +62,30 @@ def decode_state(node, batch=0, accepted=()):
 
 
 def fresh_router(ttl=2.0):
-    return RouterState(KairosConfig().build_policy("pd"), ["p0"], ["d0"], pending_ttl_s=ttl)
+    return RouterState(KairosConfig().build_policy("pd"), pending_ttl_s=ttl, node_timeout_s=5.0)
 
 
-def test_router_needs_every_node_before_deciding():
+def test_router_needs_both_pools_before_deciding():
     router = fresh_router()
     router.report(prefill_state("p0", []), now=0.0)
-    with pytest.raises(MissingState, match="d0"):
+    with pytest.raises(MissingState, match="1 prefill and 0 decode"):
         router.decide(1, 100, now=0.1)
-    with pytest.raises(ValueError, match="unknown node"):
-        router.report(prefill_state("p9", []), now=0.1)
+    with pytest.raises(ValueError, match="unknown role"):
+        router.report({"node_id": "x", "role": "cook"}, now=0.1)
+
+
+def test_nodes_join_by_reporting_and_leave_when_silent():
+    router = fresh_router()
+    router.report(prefill_state("p0", [100]), now=0.0)
+    router.report(prefill_state("p1", []), now=0.0)
+    router.report(decode_state("d0"), now=0.0)
+    assert router.decide(1, 500, now=1.0)[0].prefill_node == "p1"  # the idle one
+    for t in (3.0, 6.0):  # p1 falls silent
+        router.report(prefill_state("p0", [100]), now=t)
+        router.report(decode_state("d0"), now=t)
+    view, _ = router.view(now=6.5)
+    assert [n.node_id for n in view.prefill] == ["p0"]
+    assert router.decide(2, 500, now=6.5)[0].prefill_node == "p0"
 
 
 def test_ledger_shows_undelivered_decisions_until_acknowledged_or_expired():
@@ -83,8 +97,11 @@ def test_ledger_shows_undelivered_decisions_until_acknowledged_or_expired():
     view, _ = router.view(now=0.6)
     assert view.prefill[0].queued_prompt_tokens == (500,)  # the engine has not said it has it yet
     router.report(prefill_state("p0", [500], accepted=[1]), now=0.7)
+    router.report(decode_state("d0"), now=0.7)
     view, _ = router.view(now=0.8)
     assert view.prefill[0].queued_prompt_tokens == (500,)  # now from the engine, not twice
     router.decide(2, 300, now=1.0)
-    view, _ = router.view(now=5.0)  # never acknowledged: dropped after the TTL
+    router.report(prefill_state("p0", [500]), now=3.5)
+    router.report(decode_state("d0"), now=3.5)
+    view, _ = router.view(now=3.6)  # never acknowledged: dropped after the TTL
     assert view.prefill[0].queued_prompt_tokens == (500,)

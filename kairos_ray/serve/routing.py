@@ -1,0 +1,30 @@
+"""Serve request routing that sends each call to the replica the Kairos router chose.
+
+A pool (prefill or decode) is one deployment whose replicas are the pool's
+nodes; a node's id is ``<role>-<replica unique id>``. Calls carry the chosen
+node as the ``node`` keyword; ``NodeRouter`` ranks that replica first. A call
+with no node (a fallback decision), or for a node that is gone (scaled down),
+may go to any replica, so no request is lost while replicas come and go.
+"""
+
+from __future__ import annotations
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+
+def replica_of(node_id: str) -> str:
+    """The replica unique id inside a node id."""
+    return node_id.split("-", 1)[-1]
+
+
+class NodeRouter(RequestRouter):
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        wanted = pending_request.kwargs.get("node") if pending_request is not None else None
+        if wanted:
+            unique = replica_of(wanted)
+            chosen = [r for r in candidate_replicas if r.replica_id.unique_id == unique]
+            if chosen:
+                return [chosen]
+        return [candidate_replicas]
