@@ -45,9 +45,10 @@ def test_node_groups_provide_what_the_pools_ask_for(cluster, serve_config):
         assert wanted["resources"] == {resource: 1} and node["resources"][resource] == 1
         assert wanted["num_gpus"] <= node["resources"]["GPU"]
         assert all(resource not in t["resources"] for n, t in node_types.items() if n != group)
-        # enough nodes at start, and room to grow
-        assert node["min_workers"] >= pool["num_replicas"]
-        assert node["max_workers"] > node["min_workers"]
+        # enough nodes at start, and room for the pool's autoscaling
+        scaling = app["args"][pool_key]["autoscaling"]
+        assert node["min_workers"] >= max(pool["num_replicas"], scaling["min_replicas"])
+        assert node["max_workers"] >= scaling["max_replicas"] > scaling["min_replicas"]
         assert app["args"][pool_key]["engine_kwargs"]["tensor_parallel_size"] == node["resources"]["GPU"]
 
 

@@ -45,13 +45,16 @@ def _pool(
             "min_replicas": scaling.min_replicas,
             "max_replicas": scaling.max_replicas,
             "initial_replicas": pool.deployment_config.num_replicas,
-            "look_back_period_s": 2.0,
+            "look_back_period_s": scaling.look_back_period_s,
+            # KairosPoolPolicy applies its own hold times and cooldown: Serve should act on its answer at once.
+            "upscale_delay_s": 0.0,
+            "downscale_delay_s": 0.0,
             "policy": {
                 "policy_function": "kairos_ray.serve.autoscaling:KairosPoolPolicy",
                 "policy_kwargs": {
                     "role": role,
                     "ttft_slo_s": kairos.slo.ttft_s,
-                    **scaling.model_dump(exclude={"min_replicas", "max_replicas"}),
+                    **scaling.model_dump(exclude={"min_replicas", "max_replicas", "look_back_period_s"}),
                 },
             },
         }

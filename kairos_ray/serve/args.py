@@ -43,6 +43,12 @@ class PoolAutoscaling(_Strict):
     upscale_after_s: float = Field(5.0, ge=0, description="pressure must hold this long")
     downscale_after_s: float = Field(30.0, ge=0, description="quiet must hold this long")
     cooldown_s: float = Field(30.0, ge=0, description="least time between two changes")
+    look_back_period_s: float = Field(
+        30.0,
+        gt=0,
+        description="Serve averages the signals over this window (replicas push them every 10 s, "
+        "or every RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S)",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> PoolAutoscaling:

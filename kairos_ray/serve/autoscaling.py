@@ -21,8 +21,11 @@ thresholds), never twice within ``cooldown_s``, within the deployment's
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
+
+logger = logging.getLogger("ray.serve")
 
 PREFILL_WAIT = "prefill_wait_s"
 TBT_HEADROOM = "tbt_headroom_s"
@@ -81,6 +84,9 @@ class KairosPoolPolicy:
             target = current - 1
         target = max(low, min(high, target))
         if target != current:
+            logger.info(
+                "kairos autoscaling: %s pool %d -> %d replicas (signals %s)", self.role, current, target, metrics
+            )
             state["last_change"] = now
             state["busy_since"] = state["quiet_since"] = None
         return target, state
