@@ -1,0 +1,88 @@
+"""A vLLM V1 scheduler that prefills a deflected request in the chunks of its Kairos schedule.
+
+The router's schedule X = [chi_1 .. chi_m] (Eq. 5) arrives in the request's
+``SamplingParams.extra_args["chunk_schedule"]`` (``vllm_xargs`` over HTTP).
+vLLM's scheduler has no per-request chunk size, but it caps every prefill at
+``long_prefill_token_threshold``. For each step in which a request with a
+schedule is still prefilling, this scheduler sets that cap to the request's
+next chunk (and, when the request is alone in the engine, where vLLM lifts
+the cap, the step's token budget too), turns off the adaptive floor that
+could raise the cap, runs vLLM's own ``schedule()``, then restores the
+settings. Deflected requests go one at a time, first come
+first served, as the router plans them (``core.estimate.after_committed``);
+a prefill without a schedule that shares the step gets the same cap.
+
+``chunk_log`` keeps, per request with a schedule, one ``(prefill tokens, other
+requests decoding)`` pair per step it prefilled in: the record that shows the
+plan was followed and interleaved with the running batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+SCHEDULE_KEY = "chunk_schedule"
+
+
+def next_chunk(schedule: Sequence[int], computed_tokens: int) -> int | None:
+    """Tokens left in the chunk that ``computed_tokens`` falls in; None once the schedule is done."""
+    end = 0
+    for chunk in schedule:
+        end += chunk
+        if computed_tokens < end:
+            return end - computed_tokens
+    return None
+
+
+def schedule_of(request: Any) -> tuple[int, ...] | None:
+    params = request.sampling_params
+    extra = params.extra_args if params is not None else None
+    schedule = extra.get(SCHEDULE_KEY) if extra else None
+    return tuple(int(c) for c in schedule) if schedule else None
+
+
+class ChunkScheduleScheduler(Scheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.chunk_log: dict[str, list[tuple[int, int]]] = {}
+
+    def _deflected(self) -> tuple[str, int] | None:
+        """(request id, next chunk) of the first request still prefilling per a schedule."""
+        for request in itertools.chain(self.running, self.waiting):
+            schedule = schedule_of(request)
+            if schedule and request.num_computed_tokens < request.num_prompt_tokens:
+                chunk = next_chunk(schedule, request.num_computed_tokens)
+                if chunk is not None:
+                    return request.request_id, chunk
+        return None
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        deflected = self._deflected()
+        if deflected is None:
+            return super().schedule(*args, **kwargs)
+        request_id, chunk = deflected
+        config = self.scheduler_config
+        saved = (
+            config.long_prefill_token_threshold,
+            self.max_num_scheduled_tokens,
+            self.adaptive_long_prefill_threshold,
+        )
+        config.long_prefill_token_threshold = chunk
+        if len(self.running) + len(self.waiting) == 1:  # vLLM lifts the cap for a lone request: cap the budget
+            self.max_num_scheduled_tokens = min(saved[1], chunk)
+        self.adaptive_long_prefill_threshold = False
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            config.long_prefill_token_threshold, self.max_num_scheduled_tokens, self.adaptive_long_prefill_threshold = (
+                saved
+            )
+        scheduled = output.num_scheduled_tokens.get(request_id)
+        if scheduled:
+            decoding = sum(1 for rid, n in output.num_scheduled_tokens.items() if rid != request_id and n == 1)
+            self.chunk_log.setdefault(request_id, []).append((scheduled, decoding))
+        return output
