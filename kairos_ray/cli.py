@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +31,7 @@ examples:
                                        replay a workload against a live server
   kairos config show > kairos.yaml     write the default configuration
   kairos config check kairos.yaml      validate a configuration file
+  kairos profile -o steps.csv          time a real vLLM engine's steps (the tiny CPU model by default)
   kairos fit steps.csv -o profile.json fit the step-latency model to measured steps
 """
 
@@ -59,12 +61,15 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
 
 def _cmd_fit(args: argparse.Namespace) -> int:
     from kairos_ray.profiling.fit import fit, read_table
+    from kairos_ray.profiling.plot import plot_fit
 
-    result = fit(read_table(args.table), holdout=args.holdout, seed=args.seed)
+    table = read_table(args.table)
+    result = fit(table, holdout=args.holdout, seed=args.seed)
     Path(args.output).write_text(result.model.to_json() + "\n")
+    plot = plot_fit(table, result.model, Path(args.plot or Path(args.output).with_suffix(".png")), result.holdout_mape)
     print(
         f"fitted on {result.num_train} steps; held-out MAPE {100 * result.holdout_mape:.2f} % "
-        f"on {result.num_holdout} steps; wrote {args.output}"
+        f"on {result.num_holdout} steps; wrote {args.output} and {plot}"
     )
     return 0
 
@@ -150,6 +155,45 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if written:
         print(f"wrote {', '.join(str(p) for p in written)}")
     return 0 if result.records else 1
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from kairos_ray.profiling.fit import write_table
+    from kairos_ray.profiling.profiler import TINY_MODEL, make_engine, profile
+
+    batch_sizes, contexts, chunks = args.batch_sizes, args.contexts, args.chunks
+    print(f"profile: starting vLLM on {args.model or 'the shipped tiny model'} (tens of seconds on a CPU)")
+    llm = make_engine(args.model or TINY_MODEL, max(batch_sizes), max(chunks), max(contexts), **dict(args.engine_arg))
+    cells = len(batch_sizes) * len(contexts)
+    with tqdm(total=cells, unit="cell", desc="profiling", disable=None) as bar:
+        table = profile(llm, batch_sizes, contexts, chunks, args.repeats, bar.update)
+    write_table(args.output, table)
+    print(f"profile: {len(table)} steps written to {args.output}")
+    if args.fit:
+        return _cmd_fit(argparse.Namespace(table=args.output, output=args.fit, holdout=0.2, seed=0, plot=None))
+    return 0
+
+
+def _engine_arg(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"values must be >= 0, got {text!r}")
+    return values
 
 
 def _rates(text: str) -> list[float]:
@@ -264,6 +308,30 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="bench-out", metavar="DIR", help="output directory (bench-out)")
     bench.set_defaults(func=_cmd_bench)
 
+    prof = commands.add_parser(
+        "profile",
+        help="time a real vLLM engine's steps over a grid (for kairos fit)",
+        description="Drive an in-process vLLM engine through a grid of decode batch sizes, contexts (resident KV) "
+        "and injected chunk sizes, timing each step; writes the table kairos fit reads. Defaults profile the "
+        "tiny CPU model shipped in the package; on a GPU node pass --model and larger grids.",
+    )
+    prof.add_argument("--model", help="model directory or name (default: the shipped tiny model, dummy weights)")
+    prof.add_argument("--batch-sizes", type=_ints, default=[1, 4, 16], help="decode batch sizes (1,4,16)")
+    prof.add_argument("--contexts", type=_ints, default=[128, 512], help="prompt tokens per decoding request (128,512)")
+    prof.add_argument("--chunks", type=_ints, default=[0, 64, 128, 256, 512], help="chunk sizes (0,64,128,256,512)")
+    prof.add_argument("--repeats", type=_positive_int, default=3, help="steps timed per grid point (3)")
+    prof.add_argument(
+        "--engine-arg",
+        type=_engine_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a vLLM engine argument, e.g. tensor_parallel_size=8 (repeatable; VALUE is JSON or a string)",
+    )
+    prof.add_argument("-o", "--output", required=True, metavar="STEPS.csv", help="where to write the measured steps")
+    prof.add_argument("--fit", metavar="PROFILE.json", help="also fit the model and write the profile here")
+    prof.set_defaults(func=_cmd_profile)
+
     fit = commands.add_parser(
         "fit",
         help="fit the step-latency model (Eq. 4) to measured steps",
@@ -274,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("-o", "--output", required=True, metavar="PROFILE.json", help="where to write the fitted profile")
     fit.add_argument("--holdout", type=_fraction, default=0.2, help="share of steps held out for the MAPE (0.2)")
     fit.add_argument("--seed", type=int, default=0, help="seed of the hold-out split (0)")
+    fit.add_argument("--plot", metavar="FILE.png", help="predicted-vs-measured plot (default: beside the profile)")
     fit.set_defaults(func=_cmd_fit)
     return parser
 

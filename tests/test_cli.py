@@ -77,6 +77,7 @@ def test_fit_writes_a_loadable_profile(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "held-out MAPE" in result.stdout
     assert json.loads(out.read_text())["c_chunk"] == pytest.approx(3e-5, rel=1e-4)
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"  # predicted against measured
     demo = kairos("demo", "--requests", "2", "--config", str(_config_with_profile(tmp_path, out)))
     assert demo.returncode == 0, demo.stderr
 

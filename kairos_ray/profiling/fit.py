@@ -72,6 +72,15 @@ def read_table(path: str | Path) -> ProfileTable:
     return ProfileTable(*(data[:, i] for i in range(len(COLUMNS))))
 
 
+def write_table(path: str | Path, table: ProfileTable) -> None:
+    """Write a profile CSV that ``read_table`` reads back."""
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(COLUMNS)
+        for b, k, chi, step in zip(table.batch_size, table.kv_tokens, table.chunk_tokens, table.step_s, strict=True):
+            writer.writerow([int(b), int(k), int(chi), f"{step:.6g}"])
+
+
 def fit(table: ProfileTable, holdout: float = 0.2, seed: int = 0, non_negative: bool = True) -> FitResult:
     """Least-squares fit of Eq. 4 with its held-out MAPE."""
     if not 0.0 < holdout < 1.0:

@@ -1,0 +1,35 @@
+"""`kairos profile` on a real vLLM CPU engine with the tiny model, then `kairos fit` on what it measured."""
+
+import csv
+import json
+
+from kairos_ray.core import StepLatencyModel
+from tests.test_cli import kairos
+
+
+def test_profile_measures_the_grid_and_fits(tmp_path):
+    steps, profile = tmp_path / "steps.csv", tmp_path / "profile.json"
+    result = kairos(
+        "profile", "--batch-sizes", "1,4", "--contexts", "64,256", "--chunks", "0,64,256", "--repeats", "2",
+        "--engine-arg", "seed=1", "-o", str(steps), "--fit", str(profile),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    with steps.open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 * 2 * 3 * 2  # batch sizes x contexts x chunks x repeats
+    cells = {(int(r["batch_size"]), int(r["chunk_tokens"])) for r in rows}
+    assert cells == {(b, c) for b in (1, 4) for c in (0, 64, 256)}
+    for r in rows:  # resident KV: the contexts plus the tokens generated so far
+        context = (int(r["kv_tokens"]) // int(r["batch_size"])) // 64 * 64
+        assert context in (64, 256) and float(r["step_s"]) > 0
+    model = StepLatencyModel.from_json(profile.read_text())
+    assert model.step_s(4, 1000, 256) > 0
+    assert "held-out MAPE" in result.stdout and json.loads(profile.read_text())["model"] == "linear-v1"
+    assert profile.with_suffix(".png").exists()
+
+
+def test_shipped_cpu_profile_loads_and_chunks_cost_time():
+    from kairos_ray.config import resolve_profile
+
+    model = StepLatencyModel.load(resolve_profile("cpu-tiny-llama"))
+    assert model.step_s(4, 2000, 512) > model.step_s(4, 2000, 0) > 0
