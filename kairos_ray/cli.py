@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import yaml
 
 from kairos_ray import __version__
 from kairos_ray.config import ConfigError, KairosConfig, load_config
+
+T = TypeVar("T")
 
 DESCRIPTION = """\
 Kairos-Ray: load-aware prefill deflection for disaggregated LLM serving.
@@ -186,44 +189,47 @@ def _engine_arg(text: str) -> tuple[str, object]:
         return key.strip(), value
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
-    if not values or any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"values must be >= 0, got {text!r}")
-    return values
+def _arg_type(convert: Callable[[str], T], valid: Callable[[T], bool], what: str, rule: str) -> Callable[[str], T]:
+    """An argparse ``type``: ``convert`` the text, then insist on ``valid``; errors say what was expected."""
+
+    def parse(text: str) -> T:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not valid(value):
+            raise argparse.ArgumentTypeError(f"{rule}, got {text}")
+        return value
+
+    return parse
 
 
-def _rates(text: str) -> list[float]:
-    try:
-        rates = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of rates: {text!r}") from None
-    if not rates or any(r <= 0 for r in rates):
-        raise argparse.ArgumentTypeError(f"rates must be > 0 requests/s, got {text!r}")
-    return rates
+def _numbers(kind: Callable[[str], T]) -> Callable[[str], list[T]]:
+    return lambda text: [kind(part) for part in text.split(",") if part.strip()]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+_positive_int = _arg_type(int, lambda v: v >= 1, "an integer", "must be >= 1")
+_fraction = _arg_type(float, lambda v: 0.0 < v < 1.0, "a number", "must be between 0 and 1")
+_rates = _arg_type(
+    _numbers(float), lambda v: bool(v) and min(v) > 0, "a comma-separated list of rates", "rates must be > 0 requests/s"
+)
+_ints = _arg_type(
+    _numbers(int), lambda v: bool(v) and min(v) >= 0, "a comma-separated list of integers", "values must be >= 0"
+)
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
-    return value
+def _add_source(parser: argparse.ArgumentParser) -> None:
+    """What to replay: a synthetic workload or a trace (sim and bench)."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--workload", choices=["lpld", "lphd", "hpld", "hphd", "bursty"], help="synthetic workload")
+    source.add_argument("--trace", metavar="FILE", help="Azure / Mooncake (.jsonl) / BurstGPT / plain CSV trace")
+
+
+def _add_run_options(parser: argparse.ArgumentParser, config_use: str, seeds: str, out: str) -> None:
+    """--config, --seed and --out, as sim and bench share them."""
+    parser.add_argument("--config", metavar="FILE", help=f"Kairos configuration YAML ({config_use})")
+    parser.add_argument("--seed", type=int, default=0, help=f"seed of {seeds} (0)")
+    parser.add_argument("--out", default=out, metavar="DIR", help=f"output directory ({out})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -262,9 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Discrete-event simulation of prefill and decode pools, deciding with the very same "
         "policies as the live router. Writes OUT/summary.csv, OUT/requests.csv and plots.",
     )
-    source = sim.add_mutually_exclusive_group(required=True)
-    source.add_argument("--workload", choices=["lpld", "lphd", "hpld", "hphd", "bursty"], help="synthetic workload")
-    source.add_argument("--trace", metavar="FILE", help="Azure / Mooncake (.jsonl) / BurstGPT / plain CSV trace")
+    _add_source(sim)
     sim.add_argument(
         "--rps",
         type=_rates,
@@ -281,9 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--prefill", type=_positive_int, default=2, metavar="N", help="prefill nodes (2)")
     sim.add_argument("--decode", type=_positive_int, default=2, metavar="N", help="decode nodes (2)")
     sim.add_argument("--profile", metavar="FILE", help="step-latency profile (default: the config's)")
-    sim.add_argument("--config", metavar="FILE", help="Kairos configuration YAML (SLOs, policy knobs)")
-    sim.add_argument("--seed", type=int, default=0, help="seed of workloads and step noise (0)")
-    sim.add_argument("--out", default="sim-out", metavar="DIR", help="output directory (sim-out)")
+    _add_run_options(sim, "SLOs, policy knobs", "workloads and step noise", "sim-out")
     sim.set_defaults(func=_cmd_sim)
 
     bench = commands.add_parser(
@@ -295,17 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (%(default)s)")
     bench.add_argument("--model", help="model name (default: the first in /v1/models)")
-    bench_source = bench.add_mutually_exclusive_group(required=True)
-    bench_source.add_argument("--workload", choices=["lpld", "lphd", "hpld", "hphd", "bursty"])
-    bench_source.add_argument("--trace", metavar="FILE", help="Azure / Mooncake (.jsonl) / BurstGPT / plain CSV trace")
+    _add_source(bench)
     bench.add_argument("--rps", type=_rates, metavar="R", help="rate (default: 2 for a workload, a trace's own)")
     bench.add_argument("--requests", type=_positive_int, metavar="N", help="requests (workload: 200; trace: all)")
     bench.add_argument("--context", type=_positive_int, default=32_768, help="clip lengths to this context (32768)")
     bench.add_argument("--label", default="live", help="policy column of the summary (%(default)s)")
-    bench.add_argument("--config", metavar="FILE", help="Kairos configuration YAML (for the SLO)")
     bench.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds (600)")
-    bench.add_argument("--seed", type=int, default=0, help="seed of a synthetic workload (0)")
-    bench.add_argument("--out", default="bench-out", metavar="DIR", help="output directory (bench-out)")
+    _add_run_options(bench, "for the SLO", "a synthetic workload", "bench-out")
     bench.set_defaults(func=_cmd_bench)
 
     prof = commands.add_parser(
