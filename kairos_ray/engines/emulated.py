@@ -82,6 +82,7 @@ class EmulatedEngine:
         self._last_report = 0.0
         self._last_step_s = 0.0
         self._predicted_step_s = 0.0
+        self._step_features: tuple[int, int, int] | None = None  # (B, K, chi) of the last step
 
     # ---- the step loop ----------------------------------------------------------------
 
@@ -121,6 +122,7 @@ class EmulatedEngine:
             step = self.prefill_node.begin_step(now)
             if step is None:
                 return None
+            self._step_features = (0, *step)
             self._predicted_step_s = self.predictor.step_s(0, *step)
             return self.truth.step_s(0, *step) * self._noise()
         dstep = self.decode_node.begin_step(now)
@@ -128,6 +130,7 @@ class EmulatedEngine:
             self._active[job.rid] = job
         if dstep is None:
             return None
+        self._step_features = dstep
         self._predicted_step_s = self.predictor.step_s(*dstep)
         return self.truth.step_s(*dstep) * self._noise()
 
@@ -254,6 +257,7 @@ class EmulatedEngine:
             "accepted": accepted,
             "measured_step_s": self._last_step_s,
             "predicted_step_s": self._predicted_step_s,
+            "step_features": self._step_features,
         }
         if self.role == "prefill":
             view = self.prefill_node.view()

@@ -72,7 +72,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
             )
     kairos = args.kairos.model_dump(mode="json")
     serving = args.serving.model_dump(mode="json")
-    router = Router.bind(kairos)
+    router = Router.bind(kairos, args.serving.refit_every_steps)
     return Ingress.bind(
         router,
         _pool("prefill", args.prefill_config, args.kairos, kairos, serving, router),

@@ -90,6 +90,9 @@ class ServingConfig(_Strict):
     report_interval_s: float = Field(0.02, gt=0, description="engines push state at most this often")
     time_scale: float = Field(1.0, gt=0, description="emulated engines: wall seconds per emulated second")
     kv_scale: int = Field(1000, ge=1, description="emulated engines: KV payload bytes divided by this")
+    refit_every_steps: int = Field(
+        0, ge=0, description="router refits the step-latency model every N reported steps (0: never)"
+    )
     seed: int = 0
 
 

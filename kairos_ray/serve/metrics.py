@@ -13,6 +13,8 @@
 | kairos_node_kv_tokens | gauge | node | resident KV tokens on a decode node |
 | kairos_step_seconds | gauge | node, source | last step time: measured, or predicted by the step-latency model |
 | kairos_rejected | counter | reason | requests refused (overload, bad-request) |
+| kairos_predictor_mape | gauge | | live error of the step-latency model on recent reported steps (online refit on) |
+| kairos_predictor_refits | counter | | refits the router adopted |
 """
 
 from __future__ import annotations
@@ -46,11 +48,16 @@ class RouterMetrics:
         self.batch = Gauge("kairos_node_batch_size", "decoding requests per decode node", tag_keys=("node",))
         self.kv = Gauge("kairos_node_kv_tokens", "resident KV tokens per decode node", tag_keys=("node",))
         self.step = Gauge("kairos_step_seconds", "last step time per node", tag_keys=("node", "source"))  # type: ignore[arg-type]
+        self.mape = Gauge("kairos_predictor_mape", "step-latency model error on recent reported steps")
+        self.refits = Counter("kairos_predictor_refits", "step-latency refits adopted")
 
     def decided(self, decision: Decision, decision_s: float, staleness_s: float) -> None:
         self.decisions.inc(tags={"route": decision.route.value, "reason": reason_kind(decision)})
         self.latency.observe(decision_s)
         self.staleness.observe(staleness_s)
+
+    def prediction_error(self, mape: float) -> None:
+        self.mape.set(mape)
 
     def node(self, state: dict[str, Any]) -> None:
         node = state["node_id"]

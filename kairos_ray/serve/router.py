@@ -19,6 +19,7 @@ for ``node_timeout_s`` (engines send a heartbeat every second when idle).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict
 from typing import Any
@@ -26,8 +27,20 @@ from typing import Any
 from ray import serve
 
 from kairos_ray.config import KairosConfig
-from kairos_ray.core import ClusterView, Decision, DecodeNodeView, Policy, PrefillNodeView, apply_decision
+from kairos_ray.core import (
+    FEATURE_NAMES,
+    ClusterView,
+    Decision,
+    DecodeNodeView,
+    Policy,
+    PrefillNodeView,
+    apply_decision,
+    make_policy,
+)
 from kairos_ray.serve.metrics import RouterMetrics
+from kairos_ray.serve.refit import OnlineRefit
+
+logger = logging.getLogger("ray.serve")
 
 
 class MissingState(RuntimeError):
@@ -97,10 +110,12 @@ class RouterState:
 class Router:
     """One replica: every decision goes through it, so it sees every dispatch."""
 
-    def __init__(self, kairos: dict[str, Any]) -> None:
-        config = KairosConfig.model_validate(kairos)
-        self.state = RouterState(config.build_policy())
+    def __init__(self, kairos: dict[str, Any], refit_every_steps: int = 0) -> None:
+        self.config = KairosConfig.model_validate(kairos)
+        self.model = self.config.predictor.load()[1]
+        self.state = RouterState(self.config.build_policy())
         self.metrics = RouterMetrics()
+        self.refit = OnlineRefit(refit_every_steps) if refit_every_steps else None
 
     async def decide(self, request_id: int, prompt_tokens: int) -> dict[str, Any]:
         start = time.perf_counter()
@@ -112,6 +127,30 @@ class Router:
     async def report(self, state: dict[str, Any]) -> None:
         self.state.report(state, time.monotonic())
         self.metrics.node(state)
+        if self.refit is not None:
+            self.refit.add(state)
+            if self.refit.due:
+                self._refit()
+
+    def _refit(self) -> None:
+        """Adopt a model refit on the reported steps when it predicts them better (both pools' model)."""
+        assert self.refit is not None
+        result = self.refit.refit(self.model)
+        self.metrics.prediction_error(result.current_mape)
+        if result.model is not None:
+            logger.info(
+                "kairos refit: step-latency MAPE %.1f %% -> %.1f %% on %d reported steps",
+                100 * result.current_mape, 100 * result.refit_mape, len(self.refit.samples),
+            )  # fmt: skip
+            self.model = result.model
+            self.state.policy = make_policy(
+                self.state.policy.spec, self.config.policy_params(), self.model, self.model, self.config.thresholds()
+            )
+            self.metrics.refits.inc()
+
+    async def current_model(self) -> dict[str, float]:
+        """Coefficients of the step-latency model the router decides with now."""
+        return {name: float(v) for name, v in zip(FEATURE_NAMES, self.model.coefficients, strict=True)}
 
     async def snapshot(self) -> dict[str, Any]:
         """Last state of every live node and the ledger size (for tests and debugging)."""

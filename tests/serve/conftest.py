@@ -30,7 +30,7 @@ def app_args(**serving):
         "prefill_config": pool("prefill_node"),
         "decode_config": pool("decode_node"),
         "kairos": {"policy": {"name": "kairos"}},
-        "serving": {"max_in_flight": 48, **serving},
+        "serving": {"max_in_flight": 48, "refit_every_steps": 200, **serving},
     }
 
 

@@ -1,0 +1,55 @@
+"""Online refit of the step-latency model from reported steps."""
+
+import numpy as np
+import pytest
+
+from kairos_ray.config import resolve_profile
+from kairos_ray.core import StepLatencyModel
+from kairos_ray.serve.refit import OnlineRefit
+
+SHIPPED = StepLatencyModel.load(resolve_profile("a100-deepseek-v2-lite"))
+# the hardware turns out slower than profiled: every coefficient 30 % higher
+ACTUAL = StepLatencyModel.from_coefficients(SHIPPED.coefficients * 1.3)
+
+
+def reports(model, n, seed=0):
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        b, k, chi = int(rng.integers(0, 128)), int(rng.integers(0, 400_000)), int(rng.choice([0, 64, 256, 512, 2048]))
+        yield {
+            "step_features": (b, k, chi),
+            "measured_step_s": model.step_s(b, k, chi) * (1 + 0.02 * rng.standard_normal()),
+        }
+
+
+def test_refit_adopts_a_model_that_predicts_the_reported_steps_better():
+    online = OnlineRefit(every=300)
+    for state in reports(ACTUAL, 299):
+        online.add(state)
+    assert not online.due
+    online.add(next(reports(ACTUAL, 1, seed=9)))
+    assert online.due
+    assert online.mape(SHIPPED) == pytest.approx(0.3 / 1.3, rel=0.05)  # the live prediction error
+    result = online.refit(SHIPPED)
+    assert not online.due
+    assert result.model is not None and result.refit_mape < 0.03 < result.current_mape
+    assert result.model.step_s(64, 200_000, 512) == pytest.approx(ACTUAL.step_s(64, 200_000, 512), rel=0.05)
+
+
+def test_refit_keeps_the_current_model_when_it_is_already_right():
+    online = OnlineRefit(every=200)
+    for state in reports(SHIPPED, 200):
+        online.add(state)
+    result = online.refit(SHIPPED)
+    assert result.current_mape < 0.03
+    if result.model is not None:  # adopted only if strictly better on the window
+        assert result.refit_mape < result.current_mape
+
+
+def test_reports_without_a_measured_step_are_ignored():
+    online = OnlineRefit(every=1)
+    online.add({"step_features": None, "measured_step_s": 0.0})
+    online.add({"step_features": (1, 10, 0), "measured_step_s": 0.0})
+    assert not online.due and len(online.samples) == 0
+    with pytest.raises(ValueError, match="every <= window"):
+        OnlineRefit(every=10, window=5)
