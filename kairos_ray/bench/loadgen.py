@@ -25,6 +25,8 @@ import numpy as np
 from kairos_ray.metrics import BREAKDOWN, RequestRecord
 from kairos_ray.workloads import Request, Workload
 
+RecordOrError = RequestRecord | str
+
 
 @dataclass
 class BenchResult:
@@ -100,9 +102,6 @@ async def replay(
         wall = time.monotonic() - start
     records = [r for r in results if isinstance(r, RequestRecord)]
     return BenchResult(records, [r for r in results if isinstance(r, str)], wall)
-
-
-RecordOrError = RequestRecord | str
 
 
 async def served_model(url: str) -> str:

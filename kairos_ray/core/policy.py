@@ -29,7 +29,7 @@ from typing import Protocol
 from kairos_ray.core.estimate import PREFILL_ESTIMATORS, after_committed, runs_s
 from kairos_ray.core.latency import StepLatency
 from kairos_ray.core.state import ClusterView, Decision, DecodeNodeView, PrefillNodeView, Route
-from kairos_ray.core.sweep import Runs, expand, largest_safe_runs
+from kairos_ray.core.sweep import Runs, expand, largest_safe_chunk, largest_safe_runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +47,15 @@ class PolicyParams:
     @property
     def tbt_budget_s(self) -> float:
         return self.beta * self.tbt_slo_s
+
+
+def chunk_guard(model: StepLatency, params: PolicyParams) -> Callable[[int, int, int], int]:
+    """The decode node's run-time check of a planned chunk (Eq. 5 at run time; ``sweep.largest_safe_chunk``)."""
+
+    def guard(batch_size: int, kv_tokens: int, planned: int) -> int:
+        return largest_safe_chunk(model, batch_size, kv_tokens, planned, params.chunk_candidates, params.tbt_budget_s)
+
+    return guard
 
 
 class Policy(Protocol):

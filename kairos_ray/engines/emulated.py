@@ -28,7 +28,7 @@ import ray
 from kairos_ray.core import StepLatency
 from kairos_ray.engines import EngineRequest, KVHandoff, TokenEvent
 from kairos_ray.nodes import DecodeNode, Guard, Job, PrefillNode
-from kairos_ray.sim.hardware import ClusterHardware
+from kairos_ray.sim.hardware import ClusterHardware, StepNoise
 
 VOCAB = 1000
 KV_PIN_S = 120.0  # longest a prefill node holds a KV payload that no decode node has confirmed
@@ -68,8 +68,7 @@ class EmulatedEngine:
         self.decode_node = DecodeNode(
             node_id, hardware.kv_capacity_tokens, hardware.max_batch_size, guard, record_durations=False
         )
-        self._rng = np.random.default_rng(seed)
-        self._sigma = math.sqrt(math.log1p(hardware.noise_cv**2))
+        self._noise = StepNoise(seed, hardware.noise_cv)
         self._done: dict[int, asyncio.Future[Job]] = {}  # prefill: rid -> future resolved when prefilled
         self._streams: dict[int, asyncio.Queue[TokenEvent]] = {}  # decode: rid -> its tokens
         self._emitted: dict[int, int] = {}  # decode: rid -> tokens emitted so far
@@ -96,9 +95,6 @@ class EmulatedEngine:
             self._task = asyncio.get_running_loop().create_task(self._loop())
         return self._wake
 
-    def _noise(self) -> float:
-        return float(math.exp(self._rng.standard_normal() * self._sigma - self._sigma**2 / 2))
-
     async def _loop(self) -> None:
         assert self._wake is not None
         while True:
@@ -124,7 +120,7 @@ class EmulatedEngine:
                 return None
             self._step_features = (0, *step)
             self._predicted_step_s = self.predictor.step_s(0, *step)
-            return self.truth.step_s(0, *step) * self._noise()
+            return self.truth.step_s(0, *step) * self._noise.next()
         dstep = self.decode_node.begin_step(now)
         for job in self.decode_node.joined:
             self._active[job.rid] = job
@@ -132,7 +128,7 @@ class EmulatedEngine:
             return None
         self._step_features = dstep
         self._predicted_step_s = self.predictor.step_s(*dstep)
-        return self.truth.step_s(*dstep) * self._noise()
+        return self.truth.step_s(*dstep) * self._noise.next()
 
     def _end(self, step_s: float) -> None:
         now = time.monotonic()

@@ -20,7 +20,7 @@ from ray.serve.handle import DeploymentHandle
 from kairos_ray.config import KairosConfig, resolve_profile
 from kairos_ray.core import StepLatencyModel
 from kairos_ray.core.estimate import queue_wait_exact_s
-from kairos_ray.core.sweep import largest_safe_chunk
+from kairos_ray.core.policy import chunk_guard
 from kairos_ray.engines import EngineRequest, KVHandoff, TokenEvent
 from kairos_ray.engines.emulated import EmulatedEngine
 from kairos_ray.serve.args import ServingConfig
@@ -42,11 +42,6 @@ class EngineServer:
         self.hardware = hardware = ClusterHardware.from_profile(profile)
         self.params = params = config.policy_params()
 
-        def guard(batch_size: int, kv_tokens: int, planned: int) -> int:
-            return largest_safe_chunk(
-                model, batch_size, kv_tokens, planned, params.chunk_candidates, params.tbt_budget_s
-            )
-
         self.node_id = f"{role}-{serve.get_replica_context().replica_id.unique_id}"
         self.ray_node_id = ray.get_runtime_context().get_node_id()
         self.router = router
@@ -58,7 +53,7 @@ class EngineServer:
             model,
             hardware,
             config.prefill_chunk_tokens,
-            guard=guard if config.policy.name == "kairos" else None,
+            guard=chunk_guard(model, params) if config.policy.name == "kairos" else None,
             time_scale=opts.time_scale,
             kv_scale=opts.kv_scale,
             seed=opts.seed + zlib.crc32(self.node_id.encode()),

@@ -24,7 +24,6 @@ The view a policy sees is the simulator's exact state, but step times come from
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -34,7 +33,7 @@ import numpy as np
 from kairos_ray.core import ClusterView, Policy, Route, StepLatency
 from kairos_ray.metrics import RequestRecord
 from kairos_ray.nodes import DecodeNode, Guard, Job, PrefillNode
-from kairos_ray.sim.hardware import ClusterHardware
+from kairos_ray.sim.hardware import ClusterHardware, StepNoise
 from kairos_ray.workloads import Workload
 
 
@@ -45,23 +44,6 @@ class Kind(IntEnum):
     DECODE_STEP_END = 1
     KV_ARRIVAL = 2
     REQUEST_ARRIVAL = 3
-
-
-class _Noise:
-    """Multiplicative log-normal step noise with mean 1, drawn in blocks for speed."""
-
-    BLOCK = 1 << 14
-
-    def __init__(self, rng: np.random.Generator, cv: float) -> None:
-        self.rng = rng
-        self.sigma = math.sqrt(math.log1p(cv * cv))
-        self.values: list[float] = []
-
-    def next(self) -> float:
-        if not self.values:
-            draws = self.rng.standard_normal(self.BLOCK) * self.sigma - self.sigma * self.sigma / 2
-            self.values = np.exp(draws).tolist()
-        return self.values.pop()
 
 
 @dataclass
@@ -102,7 +84,7 @@ class ClusterSim:
             n.node_id: i for i, n in enumerate(self.decode)
         }
         self._link_free_s = [0.0] * num_decode  # when each decode node's KV link is next free
-        self.noise = _Noise(np.random.default_rng(seed), hardware.noise_cv)
+        self.noise = StepNoise(seed, hardware.noise_cv)
         self.now = 0.0
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0

@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import numpy as np
+
 from kairos_ray.core import StepLatencyModel, StepwiseLatency
 
 
@@ -78,3 +80,20 @@ class GroundTruth(StepwiseLatency):
         if chunk_tokens:
             seconds += m.c_chunk * (math.ceil(chunk_tokens / self.tile) * self.tile - chunk_tokens)
         return seconds
+
+
+class StepNoise:
+    """Multiplicative log-normal step noise with mean 1 and coefficient of variation ``cv``, drawn in blocks."""
+
+    BLOCK = 1 << 14
+
+    def __init__(self, seed: int, cv: float) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.sigma = math.sqrt(math.log1p(cv * cv))
+        self.values: list[float] = []
+
+    def next(self) -> float:
+        if not self.values:
+            draws = self.rng.standard_normal(self.BLOCK) * self.sigma - self.sigma * self.sigma / 2
+            self.values = np.exp(draws).tolist()
+        return self.values.pop()

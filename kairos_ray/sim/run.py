@@ -9,7 +9,7 @@ from typing import Any
 
 from kairos_ray.config import KairosConfig, SLOConfig, resolve_profile
 from kairos_ray.core import Policy, StepLatencyModel, make_policy, parse_spec
-from kairos_ray.core.sweep import largest_safe_chunk
+from kairos_ray.core.policy import chunk_guard
 from kairos_ray.metrics import RECORD_COLUMNS, SUMMARY_COLUMNS, RequestRecord, record_rows, summarize, write_csv
 from kairos_ray.sim.cluster import ClusterSim, SimResult
 from kairos_ray.sim.hardware import ClusterHardware, GroundTruth
@@ -59,12 +59,7 @@ class SimSetup:
         policy = self.policy(spec)
         params = self.config.policy_params()
         name = spec.strip().lower()
-        predictor = self.truth if name == ORACLE else self.model
-
-        def guard(batch_size: int, kv_tokens: int, planned: int) -> int:
-            return largest_safe_chunk(
-                predictor, batch_size, kv_tokens, planned, params.chunk_candidates, params.tbt_budget_s
-            )
+        guard = chunk_guard(self.truth if name == ORACLE else self.model, params)
 
         sim = ClusterSim(
             policy,
