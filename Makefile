@@ -1,11 +1,14 @@
 # `make run` and `make test` are the two commands of the README; both set up .venv first.
-.PHONY: setup run stop demo test bench lint
+.PHONY: setup run run-emulated stop demo test bench lint
 
 setup:
 	@bash scripts/setup.sh
 
 run: setup
-	bash scripts/run_local.sh
+	bash scripts/run_local.sh cpu
+
+run-emulated: setup
+	bash scripts/run_local.sh emulated
 
 stop:
 	-RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 .venv/bin/ray stop

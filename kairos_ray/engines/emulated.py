@@ -27,11 +27,11 @@ import ray
 
 from kairos_ray.core import StepLatency
 from kairos_ray.engines import EngineRequest, KVHandoff, TokenEvent
+from kairos_ray.engines.node_state import KVPins, StateReporter
 from kairos_ray.nodes import DecodeNode, Guard, Job, PrefillNode
 from kairos_ray.sim.hardware import ClusterHardware, StepNoise
 
 VOCAB = 1000
-KV_PIN_S = 120.0  # longest a prefill node holds a KV payload that no decode node has confirmed
 
 
 def token_id(request_id: int, index: int) -> int:
@@ -62,8 +62,7 @@ class EmulatedEngine:
         self.node_id, self.role = node_id, role
         self.truth, self.predictor, self.hw = truth, predictor, hardware
         self.time_scale, self.kv_scale = time_scale, kv_scale
-        self.report_interval_s = report_interval_s
-        self.on_state = on_state
+        self.reporter = StateReporter(self.state, on_state, report_interval_s)
         self.prefill_node = PrefillNode(node_id, prefill_chunk_tokens)
         self.decode_node = DecodeNode(
             node_id, hardware.kv_capacity_tokens, hardware.max_batch_size, guard, record_durations=False
@@ -76,9 +75,7 @@ class EmulatedEngine:
         self._timings: dict[int, dict[str, float]] = {}
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self._accepted: list[int] = []  # rids accepted since the last report
-        self._pinned: dict[int, tuple[Any, float]] = {}  # prefill: rid -> (KV payload ref, since)
-        self._last_report = 0.0
+        self._pins = KVPins()  # prefill: KV payloads handed off, until the decode node has them
         self._last_step_s = 0.0
         self._predicted_step_s = 0.0
         self._step_features: tuple[int, int, int] | None = None  # (B, K, chi) of the last step
@@ -100,7 +97,7 @@ class EmulatedEngine:
         while True:
             step_s = self._begin()
             if step_s is None:
-                self._report(force=True)
+                self.reporter.report(force=True)
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=1.0)  # heartbeat
@@ -109,7 +106,7 @@ class EmulatedEngine:
             await asyncio.sleep(step_s * self.time_scale)
             self._last_step_s = (time.monotonic() - start) / self.time_scale
             self._end(step_s)
-            self._report()
+            self.reporter.report()
 
     def _begin(self) -> float | None:
         """Start the next step; its emulated duration, or None when idle."""
@@ -162,7 +159,11 @@ class EmulatedEngine:
                 timings["decode_queue_s"] = job.first_token_s - job.kv_ready_s
         stream = self._streams.get(job.rid)
         if stream is not None:  # None: the client went away; the job still runs its course
-            stream.put_nowait(TokenEvent(token_id(job.rid, index), index, finished, timings, self.node_id))
+            token = token_id(job.rid, index)
+            event = TokenEvent(
+                token, index, finished, timings, self.node_id, f" tok{token}", "length" if finished else None
+            )
+            stream.put_nowait(event)
         if finished:
             self._emitted.pop(job.rid, None)
         else:
@@ -178,12 +179,12 @@ class EmulatedEngine:
         self._done[job.rid] = asyncio.get_running_loop().create_future()
         queued_at = job.arrival_s
         self.prefill_node.queue.append(job)
-        self._accepted.append(job.rid)
+        self.reporter.accepted.append(job.rid)
         wake.set()
         await self._done[job.rid]
         kv_bytes = max(1, math.ceil(request.prompt_tokens * self.hw.kv_bytes_per_token / self.kv_scale))
         kv = ray.put(np.zeros(kv_bytes, dtype=np.uint8))
-        self._pin(job.rid, kv)
+        self._pins.pin(job.rid, kv)
         return KVHandoff(
             kv=kv,
             kv_bytes=kv_bytes,
@@ -193,20 +194,9 @@ class EmulatedEngine:
             prefill_end_wall_s=time.time(),
         )
 
-    def _pin(self, rid: int, kv: Any) -> None:
-        """Hold the KV payload until the decode node has it (``release``), or ``KV_PIN_S`` at most.
-
-        The hand-off carries only a reference; without a holder on this side
-        the payload could be freed before the decode node fetches it.
-        """
-        now = time.monotonic()
-        for old in [r for r, (_, since) in self._pinned.items() if now - since > KV_PIN_S]:
-            del self._pinned[old]
-        self._pinned[rid] = (kv, now)
-
     def release(self, request_id: int) -> None:
         """The decode node has the KV of ``request_id``: free it here."""
-        self._pinned.pop(request_id, None)
+        self._pins.release(request_id)
 
     async def generate(self, request: EngineRequest, handoff: KVHandoff | None) -> AsyncIterator[TokenEvent]:
         if self.role != "decode":
@@ -234,7 +224,7 @@ class EmulatedEngine:
                     "kv_transfer_s": max(0.0, time.time() - handoff.prefill_end_wall_s),
                 }
                 self.decode_node.transferred(job, time.monotonic())
-            self._accepted.append(job.rid)
+            self.reporter.accepted.append(job.rid)
             wake.set()
             while True:
                 event = await stream.get()
@@ -245,12 +235,10 @@ class EmulatedEngine:
             self._streams.pop(job.rid, None)
 
     def state(self) -> dict[str, Any]:
-        accepted, self._accepted = self._accepted, []
         state: dict[str, Any] = {
             "node_id": self.node_id,
             "role": self.role,
             "wall_s": time.time(),
-            "accepted": accepted,
             "measured_step_s": self._last_step_s,
             "predicted_step_s": self._predicted_step_s,
             "step_features": self._step_features,
@@ -260,7 +248,7 @@ class EmulatedEngine:
             state.update(
                 queued=list(view.queued_prompt_tokens),
                 head_prefilled=view.head_prefilled_tokens,
-                pinned_kv=len(self._pinned),
+                pinned_kv=len(self._pins),
             )
         else:
             dview = self.decode_node.view()
@@ -272,10 +260,3 @@ class EmulatedEngine:
                 waiting=len(self.decode_node.waiting),
             )
         return state
-
-    def _report(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if self.on_state is None or (not force and now - self._last_report < self.report_interval_s):
-            return
-        self._last_report = now
-        self.on_state(self.state())

@@ -12,6 +12,12 @@ settings. Deflected requests go one at a time, first come
 first served, as the router plans them (``core.estimate.after_committed``);
 a prefill without a schedule that shares the step gets the same cap.
 
+With ``extra_args["chunk_guard"] = {"coefficients": [...], "candidates":
+[...], "tbt_budget_s": t}`` the request's next chunk is also checked when it
+runs, against the decode batch of that step (``core.sweep.largest_safe_chunk``,
+Eq. 5 at run time): a batch that grew since the router planned shrinks the
+chunk; where nothing fits, one token goes, so the request still moves.
+
 ``chunk_log`` keeps, per request with a schedule, one ``(prefill tokens, other
 requests decoding)`` pair per step it prefilled in: the record that shows the
 plan was followed and interleaved with the running batch.
@@ -25,7 +31,9 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-SCHEDULE_KEY = "chunk_schedule"
+from kairos_ray.core import StepLatencyModel
+from kairos_ray.core.sweep import largest_safe_chunk
+from kairos_ray.engines.vllm_args import GUARD_KEY, SCHEDULE_KEY
 
 
 def next_chunk(schedule: Sequence[int], computed_tokens: int) -> int | None:
@@ -38,10 +46,13 @@ def next_chunk(schedule: Sequence[int], computed_tokens: int) -> int | None:
     return None
 
 
-def schedule_of(request: Any) -> tuple[int, ...] | None:
+def _extra(request: Any) -> dict[str, Any]:
     params = request.sampling_params
-    extra = params.extra_args if params is not None else None
-    schedule = extra.get(SCHEDULE_KEY) if extra else None
+    return (params.extra_args if params is not None else None) or {}
+
+
+def schedule_of(request: Any) -> tuple[int, ...] | None:
+    schedule = _extra(request).get(SCHEDULE_KEY)
     return tuple(int(c) for c in schedule) if schedule else None
 
 
@@ -57,8 +68,19 @@ class ChunkScheduleScheduler(Scheduler):
             if schedule and request.num_computed_tokens < request.num_prompt_tokens:
                 chunk = next_chunk(schedule, request.num_computed_tokens)
                 if chunk is not None:
-                    return request.request_id, chunk
+                    return request.request_id, self._guarded(request, chunk)
         return None
+
+    def _guarded(self, request: Any, chunk: int) -> int:
+        """The planned chunk, shrunk to what fits beta * tau beside this step's decode batch (at least 1 token)."""
+        spec = _extra(request).get(GUARD_KEY)
+        if not spec:
+            return chunk
+        decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        model = StepLatencyModel.from_coefficients(spec["coefficients"])
+        kv_tokens = sum(r.num_computed_tokens for r in decoding)
+        safe = largest_safe_chunk(model, len(decoding), kv_tokens, chunk, spec["candidates"], spec["tbt_budget_s"])
+        return max(1, safe)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         deflected = self._deflected()

@@ -1,5 +1,8 @@
 """The Kairos-Ray Ray Serve application: ``serve run serve_configs/2p2d-emulated.yaml``.
 
+``serve run serve_configs/2p2d-cpu.yaml`` runs the same application on four
+vLLM CPU engines, ``serve_configs/2p2d.yaml`` on A100 nodes.
+
 ``build_app(args)`` wires an OpenAI-compatible ``Ingress``, one ``Router``
 replica and two ``EngineServer`` deployments, ``prefill`` and ``decode``, with
 one replica per node, pinned to its node group through the pool's
@@ -58,18 +61,12 @@ def _pool(
                 },
             },
         }
-    return EngineServer.options(**options).bind(role, kairos_args, serving, router)
+    return EngineServer.options(**options).bind(role, kairos_args, serving, router, pool.model_dump(mode="json"))
 
 
 def build_app(args: AppArgs | dict[str, Any]) -> Application:
     """The application for ``serve run`` / ``serve.run``; ``args`` as in ``kairos_ray.serve.args``."""
     args = AppArgs.model_validate(args) if isinstance(args, dict) else args
-    for name, pool in (("prefill_config", args.prefill_config), ("decode_config", args.decode_config)):
-        if pool.engine != "emulated":
-            raise ValueError(
-                f"{name}.engine = {pool.engine!r}: only the 'emulated' engine is available in this version; "
-                "the vLLM backend is not built yet"
-            )
     kairos = args.kairos.model_dump(mode="json")
     serving = args.serving.model_dump(mode="json")
     router = Router.bind(kairos, args.serving.refit_every_steps)
@@ -79,4 +76,5 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         _pool("decode", args.decode_config, args.kairos, kairos, serving, router),
         args.decode_config.model_loading_config.model_id,
         serving,
+        args.decode_config.model_loading_config.source if args.decode_config.engine == "vllm" else None,
     )

@@ -7,11 +7,15 @@ number of nodes (its initial number with an ``autoscaling`` section).
 
 from __future__ import annotations
 
+from importlib import resources
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kairos_ray.config import KairosConfig
+
+SHIPPED_MODELS = resources.files("kairos_ray") / "models"
 
 
 class _Strict(BaseModel):
@@ -20,7 +24,16 @@ class _Strict(BaseModel):
 
 class ModelLoadingConfig(_Strict):
     model_id: str = Field(description="name clients send as `model`")
-    model_source: str | None = Field(None, description="weights location for vLLM (defaults to model_id)")
+    model_source: str | None = Field(
+        None, description="weights for vLLM: a path, a Hub name or a model shipped in kairos_ray/models (tiny-llama)"
+    )
+
+    @property
+    def source(self) -> str:
+        """Where vLLM loads the model from (a shipped model's name becomes its folder)."""
+        name = self.model_source or self.model_id
+        shipped = SHIPPED_MODELS / name
+        return str(shipped) if not Path(name).exists() and shipped.is_dir() else name
 
 
 class DeploymentConfig(_Strict):
@@ -90,6 +103,9 @@ class ServingConfig(_Strict):
     report_interval_s: float = Field(0.02, gt=0, description="engines push state at most this often")
     time_scale: float = Field(1.0, gt=0, description="emulated engines: wall seconds per emulated second")
     kv_scale: int = Field(1000, ge=1, description="emulated engines: KV payload bytes divided by this")
+    kv_timeout_s: float = Field(
+        30.0, gt=0, description="vLLM decode nodes: past this wait for a hand-off's KV, recompute the prompt"
+    )
     refit_every_steps: int = Field(
         0, ge=0, description="router refits the step-latency model every N reported steps (0: never)"
     )
@@ -101,3 +117,19 @@ class AppArgs(_Strict):
     decode_config: PoolConfig
     kairos: KairosConfig = KairosConfig()
     serving: ServingConfig = ServingConfig()
+
+    @model_validator(mode="after")
+    def _pools_match(self) -> AppArgs:
+        """A decode node continues what a prefill node started: same engine, same model."""
+        prefill, decode = self.prefill_config, self.decode_config
+        if prefill.engine != decode.engine:
+            raise ValueError(
+                f"prefill_config.engine ({prefill.engine}) and decode_config.engine ({decode.engine}) differ"
+            )
+        p_model, d_model = prefill.model_loading_config, decode.model_loading_config
+        if (p_model.model_id, p_model.source) != (d_model.model_id, d_model.source):
+            raise ValueError(
+                f"both pools must serve one model: prefill has {p_model.model_id!r} from {p_model.source!r}, "
+                f"decode {d_model.model_id!r} from {d_model.source!r}"
+            )
+        return self

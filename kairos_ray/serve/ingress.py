@@ -18,6 +18,7 @@ One request's path:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -36,6 +37,7 @@ from kairos_ray.engines import EngineRequest, TokenEvent
 from kairos_ray.serve.args import ServingConfig
 from kairos_ray.serve.metrics import IngressMetrics
 from kairos_ray.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from kairos_ray.serve.tokens import PromptTokenizer
 
 logger = logging.getLogger("ray.serve")
 app = FastAPI(title="Kairos-Ray", description="OpenAI-compatible serving with load-aware prefill deflection")
@@ -54,10 +56,6 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return f"{param}: {err['msg']} (got {err.get('input')!r})" if param else err["msg"], param
 
 
-def _text(token_id: int) -> str:
-    return f" tok{token_id}"
-
-
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=2048)
 @serve.ingress(app)
 class Ingress:
@@ -68,9 +66,11 @@ class Ingress:
         decode: DeploymentHandle,
         model_id: str,
         serving: dict[str, Any],
+        tokenizer: str | None = None,
     ) -> None:
         self.router, self.prefill, self.decode = router, prefill, decode  # the pools: calls name their node
         self.model_id = model_id
+        self.tokenize = PromptTokenizer(tokenizer)
         self.opts = ServingConfig.model_validate(serving)
         self.in_flight = 0
         self._ids = itertools.count(random.getrandbits(30) << 20)
@@ -115,7 +115,11 @@ class Ingress:
         if req.model != self.model_id:
             self.metrics.rejected.inc(tags={"reason": "bad-request"})
             return _error(400, f"model {req.model!r} is not served here; available: {self.model_id!r}", "model")
-        prompt_tokens = req.prompt_tokens()
+        try:
+            prompt_tokens, prompt_ids = self.tokenize(req)
+        except ValueError as exc:
+            self.metrics.rejected.inc(tags={"reason": "bad-request"})
+            return _error(400, str(exc), "messages" if chat else "prompt")
         if prompt_tokens + req.output_tokens > self.opts.context_tokens:
             self.metrics.rejected.inc(tags={"reason": "bad-request"})
             return _error(
@@ -133,7 +137,16 @@ class Ingress:
             )
         self.in_flight += 1
         try:
-            started = await self._start(EngineRequest(next(self._ids), prompt_tokens, req.output_tokens, time.time()))
+            started = await self._start(
+                EngineRequest(
+                    next(self._ids),
+                    prompt_tokens,
+                    req.output_tokens,
+                    time.time(),
+                    prompt_token_ids=prompt_ids,
+                    sampling=req.sampling(),
+                )
+            )
         except Exception as exc:
             self.in_flight -= 1
             logger.exception("request failed before its first token")
@@ -176,10 +189,7 @@ class Ingress:
         decision = await self._decide(request)
         decode = self.decode.options(stream=True)
         if decision["route"] == "deflect":
-            schedule = tuple(decision["chunk_schedule"])
-            request = EngineRequest(
-                request.request_id, request.prompt_tokens, request.max_tokens, request.arrival_wall_s, schedule
-            )
+            request = dataclasses.replace(request, chunk_schedule=tuple(decision["chunk_schedule"]))
             stream = decode.generate.remote(request, None, node=decision["decode_node"])
         else:
             handoff = await self.prefill.prefill.remote(request, node=decision["prefill_node"])
@@ -241,14 +251,14 @@ class Ingress:
     def _full_response(
         self, chat: bool, tokens: list[TokenEvent], prompt_tokens: int, route: dict[str, Any]
     ) -> dict[str, Any]:
-        text = "".join(_text(t.token_id) for t in tokens)
+        text = "".join(t.text for t in tokens)
         usage = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": len(tokens),
             "total_tokens": prompt_tokens + len(tokens),
         }
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{route['request_id']}"
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": tokens[-1].finish_reason or "length", "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -278,7 +288,7 @@ class Ingress:
 
         def chunk(event: TokenEvent | None, extra: dict[str, Any] | None = None) -> str:
             choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": None}
-            text = _text(event.token_id) if event is not None else ""
+            text = event.text if event is not None else ""
             if chat:
                 choice["delta"] = {"content": text} if event is not None else {}
                 if event is not None and event.index == 0:
@@ -286,7 +296,7 @@ class Ingress:
             else:
                 choice["text"] = text
             if event is not None and event.finished:
-                choice["finish_reason"] = "length"
+                choice["finish_reason"] = event.finish_reason or "length"
             body: dict[str, Any] = {
                 "id": rid,
                 "object": "chat.completion.chunk" if chat else "text_completion",

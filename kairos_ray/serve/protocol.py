@@ -5,7 +5,8 @@ Unknown fields are accepted and ignored, as OpenAI-compatible servers do
 are checked: a bad value is an HTTP 400 with an OpenAI-style error object
 naming the parameter.
 
-Emulated engines count one token per whitespace-separated word of a text
+With vLLM engines the model's tokenizer counts (``serve.tokens``); emulated
+engines count one token per whitespace-separated word of a text
 prompt (a prompt may also be a list of token ids); a chat request counts its
 messages' words plus 4 tokens per message for the template.
 """
@@ -28,6 +29,13 @@ class _Request(BaseModel):
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = False  # vLLM's extension: always generate max_tokens
+    seed: int | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        """vLLM ``SamplingParams`` fields of this request."""
+        extra = {"seed": self.seed} if self.seed is not None else {}
+        return {"temperature": self.temperature, "top_p": self.top_p, "ignore_eos": self.ignore_eos, **extra}
 
     @property
     def output_tokens(self) -> int:

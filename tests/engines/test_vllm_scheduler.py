@@ -1,15 +1,14 @@
 """Real vLLM CPU engines with the tiny model: a deflected request is prefilled exactly in its schedule's chunks."""
 
-from importlib import resources
-
 import pytest
 
+from kairos_ray.core import StepLatencyModel
+from kairos_ray.engines.vllm_args import GUARD_KEY, guard_spec
 from kairos_ray.engines.vllm_scheduler import next_chunk
+from tests.engines.tiny import GREEDY, PROMPTS, engine
 
-MODEL = str(resources.files("kairos_ray") / "models" / "tiny-llama")
-PROMPTS = [
-    [3 + (i * 7) % 500 for i in range(n)] for n in (37, 300, 695, 1500)
-]  # not block multiples; 1500 > the budget
+# 10 ms a step plus 0.1 ms a prefill token, against a 16.5 ms budget: beside a decode batch at most 64-token chunks
+TIGHT_GUARD = guard_spec(StepLatencyModel.from_coefficients([0.01, 0, 0, 1e-4, 0, 0]), (256, 128, 64), 0.0165)
 
 
 def test_next_chunk_walks_the_schedule():
@@ -17,23 +16,6 @@ def test_next_chunk_walks_the_schedule():
     assert next_chunk((256, 128, 64), 300) == 84
     assert next_chunk((256, 128, 64), 447) == 1
     assert next_chunk((256, 128, 64), 448) is None
-
-
-def engine(**kwargs):
-    from vllm import LLM
-
-    return LLM(
-        model=MODEL,
-        load_format="dummy",
-        seed=0,
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=4096,
-        max_num_batched_tokens=512,
-        kv_cache_memory_bytes=256 << 20,
-        enable_prefix_caching=False,  # every prompt token is prefilled, as the router's schedule assumes
-        **kwargs,
-    )
 
 
 def schedule_for(prompt_tokens: int) -> list[int]:
@@ -55,22 +37,21 @@ def runs():
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the scheduler in this process, to read its record
         llm = engine(scheduler_cls="kairos_ray.engines.vllm_scheduler.ChunkScheduleScheduler")
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-        greedy = {"temperature": 0.0, "ignore_eos": True}
-        deflected = []
+        greedy = GREEDY
+        deflected, guarded = [], []
         for prompt in PROMPTS:
-            # a request already decoding, then the deflected one: its chunks share steps with the decode
-            decoder = {"prompt_token_ids": list(range(50, 60))}
-            outs = llm.generate(
-                [decoder, {"prompt_token_ids": prompt}],
-                [
-                    SamplingParams(max_tokens=64, **greedy),
-                    SamplingParams(max_tokens=8, extra_args={"chunk_schedule": schedule_for(len(prompt))}, **greedy),
-                ],
-                use_tqdm=False,
-            )
-            # the engine core keys requests by the front end's id plus a suffix
-            (record,) = [log for rid, log in scheduler.chunk_log.items() if rid.split("-")[0] == outs[1].request_id]
-            deflected.append((list(outs[1].outputs[0].token_ids), record))
+            for extra, out in (({}, deflected), ({GUARD_KEY: TIGHT_GUARD}, guarded)):
+                # a request already decoding, then the deflected one: its chunks share steps with the decode
+                decoder = {"prompt_token_ids": list(range(50, 60))}
+                extra = {"chunk_schedule": schedule_for(len(prompt)), **extra}
+                outs = llm.generate(
+                    [decoder, {"prompt_token_ids": prompt}],
+                    [SamplingParams(max_tokens=64, **greedy), SamplingParams(max_tokens=8, extra_args=extra, **greedy)],
+                    use_tqdm=False,
+                )
+                # the engine core keys requests by the front end's id plus a suffix
+                (record,) = [log for rid, log in scheduler.chunk_log.items() if rid.split("-")[0] == outs[1].request_id]
+                out.append((list(outs[1].outputs[0].token_ids), record))
         del llm
         plain = engine()
         reference = [
@@ -79,11 +60,11 @@ def runs():
                 [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=8, **greedy), use_tqdm=False
             )
         ]
-    return deflected, reference
+    return deflected, reference, guarded
 
 
 def test_deflected_prefill_follows_its_schedule_interleaved_with_decodes(runs):
-    deflected, _ = runs
+    deflected, _, _ = runs
     for prompt, (_, record) in zip(PROMPTS, deflected, strict=True):
         assert [tokens for tokens, _ in record] == schedule_for(len(prompt))
         if len(record) > 1:
@@ -91,5 +72,15 @@ def test_deflected_prefill_follows_its_schedule_interleaved_with_decodes(runs):
 
 
 def test_deflected_tokens_equal_a_plain_engines(runs):
-    deflected, reference = runs
+    deflected, reference, guarded = runs
     assert [tokens for tokens, _ in deflected] == reference
+    assert [tokens for tokens, _ in guarded] == reference
+
+
+def test_the_run_time_guard_shrinks_chunks_that_no_longer_fit_beside_the_batch(runs):
+    """Beside a decoding request only 64-token chunks fit TIGHT_GUARD's budget; alone, the plan runs as is."""
+    _, _, guarded = runs
+    for prompt, (_, record) in zip(PROMPTS, guarded, strict=True):
+        assert sum(tokens for tokens, _ in record) == len(prompt)
+        assert all(tokens <= 64 for tokens, decoding in record if decoding)
+    assert max(tokens for tokens, _ in guarded[-1][1]) > 64  # chunks ran unshrunk where no decode ran beside

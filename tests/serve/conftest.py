@@ -1,5 +1,6 @@
-"""One real local Ray cluster with the two node-group resources, and the emulated 2P2D app on it, per module."""
+"""One real local Ray cluster with the two node-group resources, and a Kairos app on it, per module."""
 
+import contextlib
 import socket
 import time
 
@@ -34,9 +35,9 @@ def app_args(**serving):
     }
 
 
-@pytest.fixture(scope="module")
-def live_app():
-    """(base URL, metrics URL) of a running app; everything is shut down afterwards."""
+@contextlib.contextmanager
+def running_app(args: dict, model: str, ready_within_s: float):
+    """(base URL, metrics URL) of the app ``args`` on a fresh local Ray; everything is shut down afterwards."""
     http_port, metrics_port = free_port(), free_port()
     ray.init(
         num_cpus=2,
@@ -46,13 +47,13 @@ def live_app():
     )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        serve.run(build_app(app_args()), name="kairos", route_prefix="/")
+        serve.run(build_app(args), name="kairos", route_prefix="/")
         url = f"http://127.0.0.1:{http_port}"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + ready_within_s
         while time.monotonic() < deadline:  # until every engine has reported to the router
             try:
                 r = httpx.post(
-                    f"{url}/v1/completions", json={"model": MODEL, "prompt": "warm up", "max_tokens": 1}, timeout=30
+                    f"{url}/v1/completions", json={"model": model, "prompt": "warm up", "max_tokens": 1}, timeout=30
                 )
                 if r.status_code == 200 and r.headers["x-kairos-fallback"] == "0":
                     break
@@ -60,8 +61,15 @@ def live_app():
                 pass
             time.sleep(0.5)
         else:
-            pytest.fail("the app did not come up within 120 s")
+            pytest.fail(f"the app did not come up within {ready_within_s} s")
         yield url, f"http://127.0.0.1:{metrics_port}/metrics"
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def live_app():
+    """The emulated 2P2D app: (base URL, metrics URL)."""
+    with running_app(app_args(), MODEL, ready_within_s=120) as urls:
+        yield urls

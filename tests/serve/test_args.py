@@ -21,7 +21,9 @@ def args_of(name: str) -> dict:
     return app["args"]
 
 
-@pytest.mark.parametrize("name, nodes", [("2p2d-emulated.yaml", 2), ("2p2d.yaml", 2), ("1p1d.yaml", 1)])
+@pytest.mark.parametrize(
+    "name, nodes", [("2p2d-emulated.yaml", 2), ("2p2d-cpu.yaml", 2), ("2p2d.yaml", 2), ("1p1d.yaml", 1)]
+)
 def test_shipped_configs_validate(name, nodes):
     args = AppArgs.model_validate(args_of(name))
     assert args.prefill_config.deployment_config.num_replicas == nodes
@@ -30,12 +32,32 @@ def test_shipped_configs_validate(name, nodes):
     assert args.decode_config.deployment_config.ray_actor_options["resources"] == {"decode_node": 1}
 
 
-def test_production_config_names_a100_nodes_and_says_vllm_is_not_built():
-    args = AppArgs.model_validate(args_of("2p2d.yaml"))
-    assert args.prefill_config.engine_kwargs["tensor_parallel_size"] == 8
-    assert args.decode_config.deployment_config.ray_actor_options["num_gpus"] == 8
-    with pytest.raises(ValueError, match="vLLM backend is not built yet"):
-        build_app(args)
+@pytest.mark.parametrize("name", ["2p2d.yaml", "1p1d.yaml"])
+def test_production_configs_name_a100_nodes_and_build(name):
+    args = AppArgs.model_validate(args_of(name))
+    for pool in (args.prefill_config, args.decode_config):
+        assert pool.engine == "vllm" and pool.accelerator_type == "A100"
+        assert pool.engine_kwargs["tensor_parallel_size"] == 8
+        assert pool.deployment_config.ray_actor_options["num_gpus"] == 8
+    assert build_app(args) is not None  # the application graph builds; its replicas need the GPU nodes
+
+
+def test_cpu_config_runs_the_shipped_tiny_model():
+    args = AppArgs.model_validate(args_of("2p2d-cpu.yaml"))
+    source = Path(args.decode_config.model_loading_config.source)
+    assert (source / "config.json").is_file() and (source / "tokenizer.json").is_file()
+    assert args.kairos.predictor.profile == "cpu-tiny-llama"
+
+
+def test_pools_must_share_engine_and_model():
+    args = args_of("2p2d-cpu.yaml")
+    args["prefill_config"]["model_loading_config"] = {"model_id": "other"}
+    with pytest.raises(ValidationError, match="one model"):
+        AppArgs.model_validate(args)
+    args = args_of("2p2d-emulated.yaml")
+    args["decode_config"]["engine"] = "vllm"
+    with pytest.raises(ValidationError, match="differ"):
+        AppArgs.model_validate(args)
 
 
 def test_unknown_args_are_rejected():

@@ -1,0 +1,217 @@
+"""A vLLM KV connector that stages a finished prefill's KV blocks for Ray to carry.
+
+Load it with ``kv_transfer_config = {"kv_connector": "KairosKVConnector",
+"kv_connector_module_path": "kairos_ray.engines.kv_connector", "kv_role":
+"kv_producer" | "kv_consumer", "kv_load_failure_policy": "recompute"}``.
+
+Producer (prefill node): a request sent with ``kv_transfer_params =
+{"do_remote_decode": true}`` is watched step by step; in the step that
+computes its prompt's last chunk (however many chunks came before), every
+layer's blocks of the request are copied out, whole, into one staged file
+per tensor-parallel rank under ``staging_dir``. The blocks are then freed at
+once (the copy holds the KV), and the request's output carries
+``kv_transfer_params = {"kairos_kv": <staged path>, "num_tokens": n}``.
+``kairos_ray.engines.vllm_engine`` reads the staged bytes, puts them into
+the Ray object store and deletes the file.
+
+Consumer (decode node): the engine writes the bytes it fetched from the
+object store under its own ``staging_dir`` and submits the request with
+those ``kv_transfer_params``. The connector claims the prompt's first ``n -
+1`` tokens as external (the last one is recomputed, so this node's own
+forward pass yields the first token), loads the blocks synchronously before
+the step's forward and deletes the file. A staged file that is missing
+claims nothing (the request is recomputed from scratch); one that cannot be
+read or does not match reports its blocks as failed, and vLLM's
+``kv_load_failure_policy: recompute`` recomputes them.
+
+Whole blocks travel, not token slots: attention backends lay a block out
+differently (the CPU backend interleaves keys and values inside a block), so
+copying whole blocks by their index is the one layout-free move. The last
+block's slots past the prompt are overwritten as decoding goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+
+from kairos_ray.engines.vllm_args import KV_PATH, KV_TOKENS, REMOTE_DECODE, default_staging_dir, rank_path
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, AttributeError):  # no model parallel group: one rank
+        return 0
+
+
+def _block_dim(layer: torch.Tensor, num_blocks: int) -> int:
+    """The dimension of a layer's KV tensor that indexes blocks (0 on CPU, 1 where K and V lead)."""
+    for dim, size in enumerate(layer.shape):
+        if size == num_blocks:
+            return dim
+    raise ValueError(f"no dimension of size {num_blocks} (the block count) in a KV tensor of shape {layer.shape}")
+
+
+@dataclass
+class _Transfer:
+    path: str  # staged path prefix
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class KairosKVMetadata(KVConnectorMetadata):
+    saves: list[_Transfer] = field(default_factory=list)
+    loads: list[_Transfer] = field(default_factory=list)
+
+
+class KairosKVConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._block_size = vllm_config.cache_config.block_size
+        self._num_blocks = kv_cache_config.num_blocks
+        self._dir = str(self._kv_transfer_config.get_from_extra_config("staging_dir", default_staging_dir()))
+        os.makedirs(self._dir, exist_ok=True)
+        # scheduler side
+        self._watched: dict[str, tuple[int, list[int]]] = {}  # producer: request id -> (prompt tokens, its blocks)
+        self._pending_loads: list[_Transfer] = []  # consumer: loads planned for the next step
+        # worker side
+        self._saving: dict[str, dict[str, torch.Tensor]] = {}  # path -> layer -> its blocks, this step
+        self._failed_blocks: set[int] = set()
+
+    # ---- scheduler side --------------------------------------------------------------
+
+    def _staged_path(self, request_id: str) -> str:
+        return os.path.join(self._dir, re.sub(r"[^A-Za-z0-9_.-]", "_", request_id))
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params or {}
+        path = params.get(KV_PATH)
+        if not path or not os.path.exists(rank_path(str(path), 0)):
+            return 0, False
+        # the last prompt token is recomputed here: its forward pass gives the first token
+        staged = min(int(params.get(KV_TOKENS, 0)), len(request.prompt_token_ids or ())) - 1
+        return max(0, staged - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        params = request.kv_transfer_params or {}
+        computed = request.num_computed_tokens  # local prefix hits, before the external tokens
+        first = computed // self._block_size
+        last = -(-(computed + num_external_tokens) // self._block_size)
+        self._pending_loads.append(
+            _Transfer(str(params[KV_PATH]), list(blocks.get_block_ids()[0][first:last]), first * self._block_size)
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KairosKVMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        if not self._kv_transfer_config.is_kv_producer:
+            return meta
+        steps: dict[str, int] = {}  # watched request id -> tokens computed before this step
+        for new in scheduler_output.scheduled_new_reqs:
+            params = (new.sampling_params.extra_args or {}).get("kv_transfer_params") if new.sampling_params else None
+            if params and params.get(REMOTE_DECODE):
+                self._watched[new.req_id] = (len(new.prompt_token_ids or ()), list(new.block_ids[0]))
+                steps[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id not in self._watched:
+                continue
+            blocks = self._watched[req_id][1]
+            if req_id in cached.resumed_req_ids:  # after a preemption the request has all new blocks
+                blocks.clear()
+            new_blocks = cached.new_block_ids[i]
+            if new_blocks is not None:
+                blocks.extend(new_blocks[0])
+            steps[req_id] = cached.num_computed_tokens[i]
+        for req_id, computed in steps.items():
+            prompt_len, blocks = self._watched[req_id]
+            if computed < prompt_len <= computed + scheduler_output.num_scheduled_tokens.get(req_id, 0):
+                # the step that computes the prompt's last chunk: stage every block the prompt fills
+                meta.saves.append(
+                    _Transfer(self._staged_path(req_id), blocks[: -(-prompt_len // self._block_size)], prompt_len)
+                )
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._watched.pop(request.request_id, None) is None:
+            return False, None
+        # Saves are synchronous: the staged copy is whole, so the blocks are freed now.
+        path = self._staged_path(request.request_id)
+        return False, {KV_PATH: path, KV_TOKENS: request.num_prompt_tokens}
+
+    # ---- worker side ----------------------------------------------------------------------
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KairosKVMetadata)
+        for load in meta.loads:
+            path = rank_path(load.path, _tp_rank())
+            try:
+                staged = torch.load(path, map_location="cpu", weights_only=True)
+                for name, layer in forward_context.no_compile_layers.items():
+                    kv = getattr(layer, "kv_cache", None)
+                    if not isinstance(kv, torch.Tensor) or kv.numel() == 0:
+                        continue
+                    blocks = staged[name]
+                    dim = _block_dim(kv, self._num_blocks)
+                    if blocks.shape[dim] < len(load.block_ids):
+                        raise ValueError(f"{blocks.shape[dim]} staged blocks, {len(load.block_ids)} needed")
+                    index = torch.tensor(load.block_ids, dtype=torch.long, device=kv.device)
+                    kv.index_copy_(dim, index, blocks.narrow(dim, 0, len(load.block_ids)).to(kv.device, kv.dtype))
+            except Exception as error:
+                logger.warning(
+                    "KV load from %s failed (%s); its %d blocks are recomputed", path, error, len(load.block_ids)
+                )
+                self._failed_blocks.update(load.block_ids)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KairosKVMetadata)
+        for save in meta.saves:
+            dim = _block_dim(kv_layer, self._num_blocks)
+            index = torch.tensor(save.block_ids, dtype=torch.long, device=kv_layer.device)
+            self._saving.setdefault(save.path, {})[layer_name] = kv_layer.index_select(dim, index).cpu()
+
+    def wait_for_save(self) -> None:
+        saving, self._saving = self._saving, {}
+        rank = _tp_rank()
+        for path, layers in saving.items():
+            final = rank_path(path, rank)
+            torch.save(layers, final + ".tmp")
+            os.replace(final + ".tmp", final)  # a reader never sees half a file
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed

@@ -1,0 +1,41 @@
+"""vLLM's own NixlConnector as the KV transport, selected by configuration (pip install nixl).
+
+The prefill node's ``kv_transfer_params`` are the hand-off; the decode node's
+NixlConnector pulls the blocks. Greedy tokens must equal a plain run's.
+"""
+
+import socket
+
+import pytest
+
+from tests.engines.test_vllm_engine import OUTPUT, plain_tokens, request, tokens
+from tests.engines.tiny import PROMPTS, TINY_KWARGS, node_pair
+
+pytest.importorskip("nixl", reason="the NixlConnector needs the nixl package")
+
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def nixl_nodes():
+    def per_role(role):  # each engine its own side-channel port, as each replica picks one
+        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}, {}
+
+    with node_pair({**TINY_KWARGS, "kv_transfer_config": NIXL}, per_role) as nodes:
+        yield nodes
+
+
+def test_nixl_hand_off_matches_a_plain_run(nixl_nodes):
+    run, prefill, decode = nixl_nodes
+    for i, prompt in enumerate(PROMPTS):
+        req = request(500 + i, prompt)
+        handoff = run(prefill.prefill(req))
+        assert isinstance(handoff.kv, dict) and handoff.kv.get("remote_block_ids")  # NIXL's own parameters
+        got = run(tokens(decode, req, handoff))
+        assert len(got) == OUTPUT and got == run(plain_tokens(decode, i, prompt))

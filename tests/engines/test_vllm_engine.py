@@ -1,0 +1,171 @@
+"""``VllmEngine`` nodes on real vLLM CPU engines and a real local Ray: KV over the object store, failures, state.
+
+One prefill and one decode engine (``AsyncLLM`` each, in child processes of
+this one) share an event loop here, as they would inside Serve replicas.
+"""
+
+import dataclasses
+import time
+
+import pytest
+import ray
+
+from kairos_ray.engines import EngineRequest, KVHandoff
+from kairos_ray.engines.vllm_engine import VllmEngine
+from tests.engines.tiny import GREEDY, PROMPTS, TINY_KWARGS, node_pair
+
+OUTPUT = 16
+KV_TIMEOUT_S = 5.0
+
+
+def request(rid: int, prompt: list[int], schedule: tuple[int, ...] = ()) -> EngineRequest:
+    return EngineRequest(rid, len(prompt), OUTPUT, time.time(), schedule, tuple(prompt), dict(GREEDY))
+
+
+@ray.remote(num_cpus=0)
+class Holder:
+    """Owns an object in the store; the object is lost when the holder dies."""
+
+    def put(self, value):
+        return [ray.put(value)]
+
+
+@ray.remote(num_cpus=0)
+def never(seconds: float) -> bytes:
+    time.sleep(seconds)
+    return b""
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    """(run, prefill engine, decode engine, states pushed by each)."""
+    ray.init(num_cpus=2, include_dashboard=False)
+    states = {"prefill": [], "decode": []}
+
+    def per_role(role):
+        staging = str(tmp_path_factory.mktemp(role))
+        return {}, {
+            "kv_timeout_s": KV_TIMEOUT_S,
+            "report_interval_s": 0.0,
+            "on_state": states[role].append,
+            "staging_dir": staging,
+        }
+
+    try:
+        with node_pair(TINY_KWARGS, per_role) as (run, prefill, decode):
+            yield run, prefill, decode, states
+    finally:
+        ray.shutdown()
+
+
+async def plain_tokens(decode: VllmEngine, i: int, prompt: list[int]) -> list[int]:
+    """Greedy tokens of a plain request to the decode node's engine (no hand-off, no schedule)."""
+    from vllm import SamplingParams
+
+    final: list[int] = []
+    params = SamplingParams(max_tokens=OUTPUT, **GREEDY)
+    async for out in decode.llm.generate({"prompt_token_ids": prompt}, params, request_id=f"ref{i}"):
+        final = list(out.outputs[0].token_ids)
+    return final
+
+
+@pytest.fixture(scope="module")
+def reference(nodes):
+    run, _, decode, _ = nodes
+    return [run(plain_tokens(decode, i, p)) for i, p in enumerate(PROMPTS)]
+
+
+async def tokens(decode, req, handoff):
+    return [event.token_id async for event in decode.generate(req, handoff)]
+
+
+def test_disaggregated_requests_match_a_plain_run(nodes, reference):
+    run, prefill, decode, _ = nodes
+    for i, prompt in enumerate(PROMPTS):
+        req = request(100 + i, prompt)
+        handoff = run(prefill.prefill(req))
+        assert isinstance(handoff.kv, ray.ObjectRef) and handoff.kv_bytes > 0
+        assert prefill.state()["pinned_kv"] == 1  # held for the decode node
+        assert run(tokens(decode, req, handoff)) == reference[i]
+        prefill.release(req.request_id)
+        assert prefill.state()["pinned_kv"] == 0
+    assert decode.kv_recomputes == 0
+
+
+def test_deflected_requests_match_a_plain_run(nodes, reference):
+    run, _, decode, _ = nodes
+    for i, prompt in enumerate(PROMPTS):
+        schedule = (256, 128, len(prompt) - 384) if len(prompt) > 400 else (len(prompt),)
+        assert run(tokens(decode, request(200 + i, prompt, schedule), None)) == reference[i]
+
+
+def lost_handoff(run, prefill, req) -> KVHandoff:
+    """A real hand-off whose KV object is then lost: its owner dies."""
+    good = run(prefill.prefill(req))
+    prefill.release(req.request_id)
+    holder = Holder.remote()
+    (ref,) = ray.get(holder.put.remote(ray.get(good.kv)))
+    ray.kill(holder)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # ray.kill returns at once; wait until the object is gone with its owner
+        try:
+            ray.get(ref, timeout=10)
+        except ray.exceptions.ObjectLostError:
+            return dataclasses.replace(good, kv=ref)
+        time.sleep(0.1)
+    pytest.fail("the KV object outlived its owner by 60 s")
+
+
+def test_a_lost_transfer_is_recomputed_on_the_decode_node(nodes, reference):
+    run, prefill, decode, _ = nodes
+    before = decode.kv_recomputes
+    req = request(300, PROMPTS[2])
+    handoff = lost_handoff(run, prefill, req)
+    assert run(tokens(decode, req, handoff)) == reference[2]
+    assert decode.kv_recomputes == before + 1
+
+
+def test_a_late_transfer_is_recomputed_after_the_timeout(nodes, reference):
+    run, prefill, decode, _ = nodes
+    before = decode.kv_recomputes
+    req = request(400, PROMPTS[3])
+    good = run(prefill.prefill(req))
+    prefill.release(req.request_id)
+    starved = never.remote(600)  # the KV never arrives
+    try:
+        start = time.monotonic()
+        assert run(tokens(decode, req, dataclasses.replace(good, kv=starved))) == reference[3]
+        assert time.monotonic() - start >= KV_TIMEOUT_S
+    finally:
+        ray.cancel(starved, force=True)
+    assert decode.kv_recomputes == before + 1
+
+
+def test_engines_push_live_state_after_their_steps(nodes):
+    _, prefill, decode, states = nodes
+    prefill_steps = [s for s in states["prefill"] if s["measured_step_s"] > 0 and s["step_features"]]
+    assert prefill_steps and any(s["step_features"][2] > 0 for s in prefill_steps)  # prefill tokens in a step
+    decode_steps = [s for s in states["decode"] if s["measured_step_s"] > 0 and s["step_features"]]
+    assert any(s["step_features"][0] > 0 for s in decode_steps)  # steps that decoded
+    assert any(s["queued"] for s in states["prefill"])  # a queued prompt was seen while it ran
+    assert any(s["committed"] for s in states["decode"])  # a deflection's schedule, before its first token
+    assert any(s["accepted"] for s in states["decode"])
+    assert prefill.state()["queued"] == [] and decode.state()["batch_size"] == 0  # all done now
+
+
+def test_cpu_engines_of_a_host_spread_over_its_cores(monkeypatch):
+    import os
+
+    from kairos_ray.engines.vllm_engine import bind_cpu_core
+
+    cores = sorted(os.sched_getaffinity(0))
+    seen = {}
+    for role, rank in (("prefill", 0), ("prefill", 1), ("decode", 0), ("decode", 1)):
+        monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+        bind_cpu_core(role, rank)
+        seen[role, rank] = os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    assert seen["prefill", 0] == seen["decode", 1] == str(cores[0])
+    assert seen["prefill", 1] == seen["decode", 0] == str(cores[1 % len(cores)])
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    bind_cpu_core("decode", 0)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"  # the user's setting wins

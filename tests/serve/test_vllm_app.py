@@ -1,0 +1,112 @@
+"""End to end on real vLLM CPU engines: ``serve_configs/2p2d-cpu.yaml`` under ``serve.run``, the openai client.
+
+The shipped config decides with the Kairos policy; here the ``sl:<tokens>``
+baseline routes instead (short prompts deflected, long ones disaggregated), so
+that both routes are taken on purpose, whatever this machine's speed.
+"""
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from kairos_ray.serve.args import AppArgs
+from tests.serve.conftest import running_app
+from tests.serve.test_args import args_of
+
+MODEL = "tiny-llama"
+SHORT, LONG = 120, 700  # prompt words: deflected (<= 400 tokens) and disaggregated
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "wise",
+    "owls",
+    "count",
+    "stars",
+]
+
+
+def prompt(words: int) -> str:
+    return " ".join(WORDS[i % len(WORDS)] for i in range(words))
+
+
+@pytest.fixture(scope="module")
+def cpu_app():
+    args = args_of("2p2d-cpu.yaml")
+    args["kairos"]["policy"]["name"] = "sl:400"
+    with running_app(args, MODEL, ready_within_s=420) as urls:
+        yield urls
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(
+        AppArgs.model_validate(args_of("2p2d-cpu.yaml")).decode_config.model_loading_config.source
+    )
+
+
+def streamed(max_tokens: int) -> dict:
+    """openai-client arguments of a greedy streamed request of exactly ``max_tokens`` tokens, usage included."""
+    return {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "extra_body": {"ignore_eos": True},
+    }
+
+
+def stream_completion(url: str, text: str, max_tokens: int):
+    """(headers, streamed texts, usage) of one streamed completion through the openai client."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300)
+    with client.completions.with_streaming_response.create(prompt=text, **streamed(max_tokens)) as response:
+        chunks = list(response.parse())
+        headers = response.headers
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    (usage,) = [c.usage for c in chunks if c.usage is not None]
+    return headers, texts, usage
+
+
+def test_streamed_completions_take_both_routes_with_correct_usage(cpu_app, tokenizer):
+    url, _ = cpu_app
+    for words, route in ((SHORT, "deflect"), (LONG, "prefill")):
+        text = prompt(words)
+        headers, texts, usage = stream_completion(url, text, max_tokens=12)
+        assert headers["x-kairos-route"] == route
+        assert len(texts) == 12  # one chunk per token
+        assert usage.completion_tokens == 12
+        assert usage.prompt_tokens == len(tokenizer.encode(text))
+        if route == "deflect":
+            schedule = [int(c) for c in headers["x-kairos-chunk-schedule"].split(",")]
+            assert sum(schedule) == usage.prompt_tokens
+        else:
+            assert headers["x-kairos-prefill-node"].startswith("prefill-")
+            assert headers["x-kairos-decode-node"].startswith("decode-")
+
+
+def test_chat_streams_through_the_chat_template(cpu_app, tokenizer):
+    url, _ = cpu_app
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300)
+    messages = [{"role": "user", "content": prompt(30)}]
+    chunks = list(client.chat.completions.create(messages=messages, **streamed(6)))
+    assert sum(1 for c in chunks if c.choices) == 6
+    (usage,) = [c.usage for c in chunks if c.usage is not None]
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert usage.prompt_tokens == len(expected if isinstance(expected, list) else expected["input_ids"])
+
+
+def test_token_ids_outside_the_vocabulary_are_a_400(cpu_app):
+    url, _ = cpu_app
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [5, 99_999], "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400
+    assert "token ids" in r.json()["error"]["message"]
