@@ -11,7 +11,7 @@ run-emulated: setup
 	bash scripts/run_local.sh emulated
 
 stop:
-	-RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 .venv/bin/ray stop
+	-RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled .venv/bin/ray stop
 
 demo: setup
 	.venv/bin/kairos demo

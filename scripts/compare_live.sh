@@ -7,7 +7,7 @@
 # to compare-out/<policy>/summary.csv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PATH="$PWD/.venv/bin:$PATH" RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+export PATH="$PWD/.venv/bin:$PATH" RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 CONFIG=${1:-serve_configs/2p2d-cpu.yaml}
 POLICIES=${2:-pd,kairos}
 shift $(( $# < 2 ? $# : 2 ))
@@ -16,6 +16,10 @@ BENCH=("$@")
 (( ${#BENCH[@]} )) || BENCH=(--workload lpld --rps 6 --requests 80 --context 2048)
 URL=http://127.0.0.1:8000
 ray status --address auto >/dev/null 2>&1 || { echo "compare: no local Ray; run 'make run' first" >&2; exit 1; }
+shutdown() {  # the serve CLI's shutdown needs the dashboard; a driver does not
+    python -c 'import ray; from ray import serve; ray.init(address="auto", logging_level="ERROR"); serve.shutdown()' \
+        >/dev/null 2>&1
+}
 
 for policy in ${POLICIES//,/ }; do
     config=$(mktemp --suffix=.yaml)
@@ -27,7 +31,7 @@ for app in data["applications"]:
     app["args"].setdefault("kairos", {}).setdefault("policy", {})["name"] = policy
 yaml.safe_dump(data, open(dst, "w"))
 PY
-    serve shutdown --address auto -y >/dev/null 2>&1 || true
+    shutdown  # every policy starts on fresh engines
     echo "compare: deploying $CONFIG with policy $policy"
     serve run --non-blocking --address auto "$config" >/tmp/kairos-compare.log 2>&1 || { tail -20 /tmp/kairos-compare.log; exit 1; }
     model=$(python -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['applications'][0]['args']['decode_config']['model_loading_config']['model_id'])" "$config")
@@ -41,4 +45,4 @@ PY
     kairos bench --url "$URL" "${BENCH[@]}" --label "$policy" --seed 1 --out "compare-out/$policy" | tail -2 | head -1
     rm -f "$config"
 done
-serve shutdown --address auto -y >/dev/null 2>&1 || true
+shutdown

@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0   # keep every Ray socket on this machine
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}   # one local cluster on loopback: no token, for every client alike
 URL=http://127.0.0.1:8000
 case "${1:-cpu}" in
     cpu) CONFIG=serve_configs/2p2d-cpu.yaml MODEL=tiny-llama WORDS=600 BENCH=(--workload lpld --rps 4 --requests 40 --context 2048)

@@ -13,6 +13,7 @@
 | kairos_node_kv_tokens | gauge | node | resident KV tokens on a decode node |
 | kairos_step_seconds | gauge | node, source | last step time: measured, or predicted by the step-latency model |
 | kairos_rejected | counter | reason | requests refused (overload, bad-request) |
+| kairos_kv_recomputes | gauge | node | vLLM decode node: hand-offs whose KV was lost or late, recomputed (cumulative) |
 | kairos_predictor_mape | gauge | | live error of the step-latency model on recent reported steps (online refit on) |
 | kairos_predictor_refits | counter | | refits the router adopted |
 """
@@ -48,6 +49,9 @@ class RouterMetrics:
         self.batch = Gauge("kairos_node_batch_size", "decoding requests per decode node", tag_keys=("node",))
         self.kv = Gauge("kairos_node_kv_tokens", "resident KV tokens per decode node", tag_keys=("node",))
         self.step = Gauge("kairos_step_seconds", "last step time per node", tag_keys=("node", "source"))  # type: ignore[arg-type]
+        self.recomputes = Gauge(
+            "kairos_kv_recomputes", "hand-offs recomputed on a decode node (KV lost or late)", tag_keys=("node",)
+        )
         self.mape = Gauge("kairos_predictor_mape", "step-latency model error on recent reported steps")
         self.refits = Counter("kairos_predictor_refits", "step-latency refits adopted")
 
@@ -67,6 +71,8 @@ class RouterMetrics:
             self.queue.set(state["waiting"] + len(state["committed"]), tags={"node": node})
             self.batch.set(state["batch_size"], tags={"node": node})
             self.kv.set(state["kv_tokens"], tags={"node": node})
+            if "kv_recomputes" in state:  # vLLM engines
+                self.recomputes.set(state["kv_recomputes"], tags={"node": node})
         if state["measured_step_s"]:
             self.step.set(state["measured_step_s"], tags={"node": node, "source": "measured"})
             self.step.set(state["predicted_step_s"], tags={"node": node, "source": "predicted"})

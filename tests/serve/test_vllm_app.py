@@ -5,6 +5,8 @@ baseline routes instead (short prompts deflected, long ones disaggregated), so
 that both routes are taken on purpose, whatever this machine's speed.
 """
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -110,3 +112,15 @@ def test_token_ids_outside_the_vocabulary_are_a_400(cpu_app):
     r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [5, 99_999], "max_tokens": 2}, timeout=60)
     assert r.status_code == 400
     assert "token ids" in r.json()["error"]["message"]
+
+
+def test_decode_nodes_export_their_kv_recomputes(cpu_app):
+    url, metrics_url = cpu_app
+    stream_completion(url, prompt(LONG), max_tokens=2)  # a hand-off, received: nothing recomputed
+    deadline, lines = time.monotonic() + 90, []
+    while time.monotonic() < deadline and len(lines) < 2:
+        text = httpx.get(metrics_url, timeout=10).text
+        lines = [line for line in text.splitlines() if line.startswith("ray_kairos_kv_recomputes{")]
+        time.sleep(2)
+    assert len(lines) == 2 and all('node="decode-' in line for line in lines)  # one per decode node
+    assert all(float(line.rsplit(" ", 1)[1]) == 0 for line in lines)
