@@ -144,7 +144,7 @@ class VllmEngine:
         self._active: dict[int, int] = {}  # decode: rid -> resident tokens
         self._committed: dict[int, tuple[int, ...]] = {}  # decode: rid -> schedule, until its first token
         self._pins = KVPins()  # prefill: KV payloads handed off, until the decode node has them
-        self._running = self._waiting = 0
+        self._waiting = 0  # requests vLLM has not scheduled yet
         self._kv_usage = 0.0
         self._last: _Step | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -196,11 +196,7 @@ class VllmEngine:
     def _record(self, stats: Any) -> None:
         if stats is None:
             return
-        self._running, self._waiting, self._kv_usage = (
-            stats.num_running_reqs,
-            stats.num_waiting_reqs,
-            stats.kv_cache_usage,
-        )
+        self._waiting, self._kv_usage = stats.num_waiting_reqs, stats.kv_cache_usage
         details = stats.iteration_details
         if details is not None and not details.is_dummy and details.elapsed_ms > 0:
             self._last = _Step(details.elapsed_ms / 1e3, details.num_generation_requests, details.num_ctx_tokens)

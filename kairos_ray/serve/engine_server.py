@@ -45,7 +45,7 @@ class EngineServer:
         pool_config = PoolConfig.model_validate(pool)
         profile = resolve_profile(config.predictor.profile)
         self.model = model = StepLatencyModel.load(profile)
-        self.hardware = hardware = ClusterHardware.from_profile(profile)
+        hardware = ClusterHardware.from_profile(profile)
         self.params = params = config.policy_params()
 
         self.node_id = f"{role}-{serve.get_replica_context().replica_id.unique_id}"
