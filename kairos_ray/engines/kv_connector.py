@@ -80,7 +80,6 @@ def _block_dim(layer: torch.Tensor, num_blocks: int) -> int:
 class _Transfer:
     path: str  # staged path prefix
     block_ids: list[int]
-    num_tokens: int
 
 
 @dataclass
@@ -124,9 +123,7 @@ class KairosKVConnector(KVConnectorBase_V1):
         computed = request.num_computed_tokens  # local prefix hits, before the external tokens
         first = computed // self._block_size
         last = -(-(computed + num_external_tokens) // self._block_size)
-        self._pending_loads.append(
-            _Transfer(str(params[KV_PATH]), list(blocks.get_block_ids()[0][first:last]), first * self._block_size)
-        )
+        self._pending_loads.append(_Transfer(str(params[KV_PATH]), list(blocks.get_block_ids()[0][first:last])))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KairosKVMetadata(loads=self._pending_loads)
@@ -154,9 +151,7 @@ class KairosKVConnector(KVConnectorBase_V1):
             prompt_len, blocks = self._watched[req_id]
             if computed < prompt_len <= computed + scheduler_output.num_scheduled_tokens.get(req_id, 0):
                 # the step that computes the prompt's last chunk: stage every block the prompt fills
-                meta.saves.append(
-                    _Transfer(self._staged_path(req_id), blocks[: -(-prompt_len // self._block_size)], prompt_len)
-                )
+                meta.saves.append(_Transfer(self._staged_path(req_id), blocks[: -(-prompt_len // self._block_size)]))
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

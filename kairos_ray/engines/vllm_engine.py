@@ -287,7 +287,7 @@ class VllmEngine:
         if isinstance(handoff.kv, dict):  # another connector's parameters: it pulls the KV itself
             return handoff.kv
         try:
-            payload = await asyncio.wait_for(_await_ref(handoff.kv), timeout=self.kv_timeout_s)
+            payload = await asyncio.wait_for(handoff.kv, timeout=self.kv_timeout_s)
             prefix = os.path.join(self.staging_dir, f"{self.node_id}-{request.request_id}")
             for rank, data in payload.items():
                 with open(rank_path(prefix, int(rank)), "wb") as f:
@@ -404,10 +404,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-async def _await_ref(ref: Any) -> Any:
-    return await ref
 
 
 def _prefill_times(metrics: Any) -> tuple[float, float]:

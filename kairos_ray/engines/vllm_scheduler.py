@@ -25,6 +25,7 @@ plan was followed and interleaved with the running batch.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -49,6 +50,12 @@ def next_chunk(schedule: Sequence[int], computed_tokens: int) -> int | None:
 def _extra(request: Any) -> dict[str, Any]:
     params = request.sampling_params
     return (params.extra_args if params is not None else None) or {}
+
+
+@functools.lru_cache(maxsize=8)
+def _guard_model(coefficients: tuple[float, ...]) -> StepLatencyModel:
+    """The guard's model, built once per set of coefficients rather than on every step."""
+    return StepLatencyModel.from_coefficients(coefficients)
 
 
 def schedule_of(request: Any) -> tuple[int, ...] | None:
@@ -77,7 +84,7 @@ class ChunkScheduleScheduler(Scheduler):
         if not spec:
             return chunk
         decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
-        model = StepLatencyModel.from_coefficients(spec["coefficients"])
+        model = _guard_model(tuple(spec["coefficients"]))
         kv_tokens = sum(r.num_computed_tokens for r in decoding)
         safe = largest_safe_chunk(model, len(decoding), kv_tokens, chunk, spec["candidates"], spec["tbt_budget_s"])
         return max(1, safe)
