@@ -4,8 +4,9 @@
   time, each step sleeping for the profile's step time; deterministic tokens;
   KV payloads (scaled down) really travel through the Ray object store.
 - ``vllm``: real vLLM engines (``vllm_engine.VllmEngine``, one ``AsyncLLM``
-  per node), with KV hand-off through the Ray object store
-  (``kv_connector``) and per-request chunk schedules (``vllm_scheduler``).
+  per node), with KV hand-off through the Ray object store or point-to-point
+  gloo/NCCL pairs (``kv_connector``, ``kv_channel``) and per-request chunk
+  schedules (``vllm_scheduler``).
 """
 
 from __future__ import annotations
@@ -24,18 +25,20 @@ class EngineRequest:
     chunk_schedule: tuple[int, ...] = ()  # set for a deflected request: prefill in these chunks, in place
     prompt_token_ids: tuple[int, ...] = ()  # the prompt, tokenized by the ingress (vLLM engines need it)
     sampling: dict[str, Any] = field(default_factory=dict)  # vLLM SamplingParams fields (temperature, ...)
+    kv_receiver: str = ""  # disaggregated: the decode node chosen to continue it (a KV channel sends there)
 
 
 @dataclass(frozen=True)
 class KVHandoff:
     """What a prefill node hands to a decode node for a disaggregated request."""
 
-    kv: Any  # ray.ObjectRef of the KV payload (resolved by the decode node, through the object store)
+    kv: Any  # ray.ObjectRef of the KV payload (object store), a kv_channel.ChannelTicket, or a connector's params
     kv_bytes: int
     node_id: str  # the prefill node that built it
     prefill_queue_s: float
     prefill_exec_s: float
     prefill_end_wall_s: float  # time.time() when the prompt's last chunk finished
+    transport: str = "object_store"  # how the KV travels: object_store, gloo or nccl (a channel), a connector's name
 
 
 @dataclass(frozen=True)

@@ -3,14 +3,20 @@
 Prefill node: the prompt runs with ``max_tokens=1`` and ``kv_transfer_params
 = {"do_remote_decode": true}``; ``engines.kv_connector`` stages the prompt's
 KV blocks when its last chunk is computed (vLLM frees them at once); this
-engine reads the staged bytes, puts them into the Ray object store, and
-returns a ``KVHandoff`` holding the reference. The payload stays pinned here
-until the decode node has it (``release``).
+engine reads the staged bytes and hands them over by one of two transports:
 
-Decode node: a disaggregated request's KV is fetched from the object store
-(at most ``kv_timeout_s``), staged for the connector, and the request is
+- the Ray object store (the general path): the bytes are put there and the
+  ``KVHandoff`` holds the reference, pinned here until the decode node has it
+  (``release``);
+- a KV channel (``kv_channel="gloo"`` or ``"nccl"``, the fast path, when the
+  router named the decode node): the hand-off holds a ``ChannelTicket`` and
+  the bytes go straight to that node over the pair's process group
+  (``engines.kv_channel``); the send returns once the decode node has them.
+
+Decode node: a disaggregated request's KV is fetched from the object store or
+received from the channel (at most ``kv_timeout_s``), staged for the connector, and the request is
 submitted with those ``kv_transfer_params``; vLLM then computes only the
-prompt's last token. If the KV is lost (its owner died), late or unreadable,
+prompt's last token. If the KV is lost (its owner or sender died), late or unreadable,
 the request is recomputed here from its prompt instead of failing, and the
 engine counts it. A deflected request carries its chunk schedule in
 ``extra_args["chunk_schedule"]`` for ``engines.vllm_scheduler``.
@@ -44,6 +50,7 @@ import ray
 
 from kairos_ray.core import StepLatency
 from kairos_ray.engines import EngineRequest, KVHandoff, TokenEvent
+from kairos_ray.engines.kv_channel import ChannelError, ChannelTicket, KVChannel
 from kairos_ray.engines.node_state import KVPins, StateReporter
 from kairos_ray.engines.vllm_args import (
     GUARD_KEY,
@@ -126,11 +133,14 @@ class VllmEngine:
         report_interval_s: float = 0.02,
         on_state: Callable[[dict[str, Any]], None] | None = None,
         staging_dir: str | None = None,
+        kv_channel: str | None = None,
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
         self.node_id, self.role, self.predictor, self.guard = node_id, role, predictor, guard
         self.kv_timeout_s = kv_timeout_s
+        host = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        self.channel = KVChannel(node_id, host, kv_channel, kv_timeout_s) if kv_channel else None
         self.reporter = StateReporter(self.state, on_state, report_interval_s)
         self.staging_dir = staging_dir or default_staging_dir()
         os.makedirs(self.staging_dir, exist_ok=True)
@@ -144,6 +154,7 @@ class VllmEngine:
         self._active: dict[int, int] = {}  # decode: rid -> resident tokens
         self._committed: dict[int, tuple[int, ...]] = {}  # decode: rid -> schedule, until its first token
         self._pins = KVPins()  # prefill: KV payloads handed off, until the decode node has them
+        self._sending: set[asyncio.Task[None]] = set()  # prefill: channel sends not taken yet
         self._waiting = 0  # requests vLLM has not scheduled yet
         self._kv_usage = 0.0
         self._last: _Step | None = None
@@ -246,12 +257,18 @@ class VllmEngine:
             raise RuntimeError(f"prefill of request {request.request_id} returned no kv_transfer_params")
         queue_s, exec_s = _prefill_times(final.metrics)
         kv: Any = final.kv_transfer_params  # another connector's hand-off: its parameters
-        kv_bytes = 0
-        if KV_PATH in final.kv_transfer_params:  # the Kairos connector staged the KV: into the object store
+        kv_bytes, transport = 0, self.connector
+        if KV_PATH in final.kv_transfer_params:  # the Kairos connector staged the KV
             payload = self._collect(str(final.kv_transfer_params[KV_PATH]))
-            kv = ray.put(payload)
             kv_bytes = sum(len(b) for b in payload.values())
-            self._pins.pin(request.request_id, kv)
+            if self.channel is not None and request.kv_receiver:  # straight to the chosen decode node
+                kv, transport = self.channel.ticket(request.kv_receiver, request.request_id), self.channel.backend
+                task = asyncio.get_running_loop().create_task(self._send(kv, payload))
+                self._sending.add(task)
+                task.add_done_callback(self._sending.discard)
+            else:  # into the object store
+                kv, transport = ray.put(payload), "object_store"
+                self._pins.pin(request.request_id, kv)
         return KVHandoff(
             kv=kv,
             kv_bytes=kv_bytes,
@@ -259,6 +276,7 @@ class VllmEngine:
             prefill_queue_s=queue_s,
             prefill_exec_s=exec_s,
             prefill_end_wall_s=end_wall,
+            transport=transport,
         )
 
     def _pop_queue(self, rid: int) -> None:
@@ -279,20 +297,35 @@ class VllmEngine:
             raise RuntimeError(f"no staged KV at {prefix}")
         return payload
 
+    async def _send(self, ticket: ChannelTicket, payload: dict[int, bytes]) -> None:
+        assert self.channel is not None
+        try:
+            await self.channel.send(ticket, payload)
+        except ChannelError as error:  # the decode node recomputes when it does not receive
+            logger.warning("%s: %s", self.node_id, error)
+
     def release(self, request_id: int) -> None:
         self._pins.release(request_id)
+
+    async def _receive(self, kv: Any) -> dict[int, bytes]:
+        """A hand-off's KV bytes {rank: bytes}, from the channel or the object store."""
+        if not isinstance(kv, ChannelTicket):
+            return dict(await kv)
+        if self.channel is None:
+            raise ChannelError(f"KV sent over a channel to {self.node_id}, which has none (set serving.kv_channel)")
+        return await self.channel.receive(kv)
 
     async def _fetch(self, request: EngineRequest, handoff: KVHandoff) -> dict[str, Any] | None:
         """Stage the hand-off's KV for the connector: its ``kv_transfer_params``, or None to recompute."""
         if isinstance(handoff.kv, dict):  # another connector's parameters: it pulls the KV itself
             return handoff.kv
         try:
-            payload = await asyncio.wait_for(handoff.kv, timeout=self.kv_timeout_s)
+            payload = await asyncio.wait_for(self._receive(handoff.kv), timeout=self.kv_timeout_s)
             prefix = os.path.join(self.staging_dir, f"{self.node_id}-{request.request_id}")
             for rank, data in payload.items():
                 with open(rank_path(prefix, int(rank)), "wb") as f:
                     f.write(data)
-        except (TimeoutError, ray.exceptions.RayError, OSError, AttributeError, ValueError) as error:
+        except (TimeoutError, ChannelError, ray.exceptions.RayError, OSError, AttributeError, ValueError) as error:
             self.kv_recomputes += 1
             logger.warning(
                 "%s: KV of request %s from %s not received (%s); recomputing its prompt here",
@@ -381,7 +414,7 @@ class VllmEngine:
             state.update(
                 queued=list(self._queue.values()),
                 head_prefilled=min(self._prefilled_since_head, next(iter(self._queue.values()), 0)),
-                pinned_kv=len(self._pins),
+                pinned_kv=len(self._pins) + len(self._sending),
             )
         else:
             state.update(

@@ -106,6 +106,11 @@ class ServingConfig(_Strict):
     kv_timeout_s: float = Field(
         30.0, gt=0, description="vLLM decode nodes: past this wait for a hand-off's KV, recompute the prompt"
     )
+    kv_channel: Literal["gloo", "nccl"] | None = Field(
+        None,
+        description="vLLM engines: send hand-off KV straight to the decode node over point-to-point gloo "
+        "(CPU) or NCCL (GPU) pairs instead of the Ray object store",
+    )
     refit_every_steps: int = Field(
         0, ge=0, description="router refits the step-latency model every N reported steps (0: never)"
     )
@@ -126,6 +131,8 @@ class AppArgs(_Strict):
             raise ValueError(
                 f"prefill_config.engine ({prefill.engine}) and decode_config.engine ({decode.engine}) differ"
             )
+        if self.serving.kv_channel and prefill.engine != "vllm":
+            raise ValueError(f"serving.kv_channel carries vLLM engines' KV; the pools run {prefill.engine} engines")
         p_model, d_model = prefill.model_loading_config, decode.model_loading_config
         if (p_model.model_id, p_model.source) != (d_model.model_id, d_model.source):
             raise ValueError(

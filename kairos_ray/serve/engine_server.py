@@ -66,6 +66,7 @@ class EngineServer:
                 kv_timeout_s=opts.kv_timeout_s,
                 report_interval_s=opts.report_interval_s,
                 on_state=self._push,
+                kv_channel=opts.kv_channel,
             )
             await self.engine.start()
             return

@@ -192,8 +192,10 @@ class Ingress:
             request = dataclasses.replace(request, chunk_schedule=tuple(decision["chunk_schedule"]))
             stream = decode.generate.remote(request, None, node=decision["decode_node"])
         else:
+            request = dataclasses.replace(request, kv_receiver=decision["decode_node"] or "")
             handoff = await self.prefill.prefill.remote(request, node=decision["prefill_node"])
             decision["prefill_node"] = handoff.node_id  # where it ran (the chosen node unless that one is gone)
+            decision["kv_transport"] = handoff.transport
             stream = decode.generate.remote(request, handoff, node=decision["decode_node"])
         iterator = stream.__aiter__()
         first: TokenEvent = await iterator.__anext__()
@@ -229,6 +231,7 @@ class Ingress:
             "x-kairos-prefill-node": route.get("prefill_node") or "",  # empty when deflected
             "x-kairos-decode-node": route["decode_node"],
             "x-kairos-chunk-schedule": ",".join(str(c) for c in schedule),
+            "x-kairos-kv-transport": route.get("kv_transport", ""),  # empty when deflected
             "x-kairos-ttft-s": f"{route['ttft_s']:.6f}",
             "x-kairos-breakdown": ";".join(f"{k[:-2]}={v:.6f}" for k, v in route["breakdown"].items()),
             "x-kairos-reason": route.get("reason", ""),
@@ -242,6 +245,7 @@ class Ingress:
             "prefill_node": route.get("prefill_node"),
             "decode_node": route["decode_node"],
             "chunk_schedule": list(route.get("chunk_schedule") or ()),
+            "kv_transport": route.get("kv_transport", ""),
             "ttft_s": route["ttft_s"],
             "breakdown": route["breakdown"],
             "reason": route.get("reason", ""),

@@ -1,9 +1,13 @@
-"""``VllmEngine`` nodes on real vLLM CPU engines and a real local Ray: KV over the object store, failures, state.
+"""``VllmEngine`` nodes on real vLLM CPU engines and a real local Ray: KV hand-offs, failures, state.
+
+KV travels through the Ray object store, or over the gloo KV channel when the
+prefill node is told the decode node (``kv_receiver``).
 
 One prefill and one decode engine (``AsyncLLM`` each, in child processes of
 this one) share an event loop here, as they would inside Serve replicas.
 """
 
+import asyncio
 import dataclasses
 import time
 
@@ -11,6 +15,7 @@ import pytest
 import ray
 
 from kairos_ray.engines import EngineRequest, KVHandoff
+from kairos_ray.engines.kv_channel import ChannelTicket, KVChannel
 from kairos_ray.engines.vllm_engine import VllmEngine
 from tests.engines.tiny import GREEDY, PROMPTS, TINY_KWARGS, node_pair
 
@@ -18,8 +23,8 @@ OUTPUT = 16
 KV_TIMEOUT_S = 5.0
 
 
-def request(rid: int, prompt: list[int], schedule: tuple[int, ...] = ()) -> EngineRequest:
-    return EngineRequest(rid, len(prompt), OUTPUT, time.time(), schedule, tuple(prompt), dict(GREEDY))
+def request(rid: int, prompt: list[int], schedule: tuple[int, ...] = (), receiver: str = "") -> EngineRequest:
+    return EngineRequest(rid, len(prompt), OUTPUT, time.time(), schedule, tuple(prompt), dict(GREEDY), receiver)
 
 
 @ray.remote(num_cpus=0)
@@ -28,6 +33,15 @@ class Holder:
 
     def put(self, value):
         return [ray.put(value)]
+
+
+@ray.remote(num_cpus=0)
+class GoneSender:
+    """A prefill node's channel end that issues a ticket and dies without sending."""
+
+    def ticket(self, receiver: str, request_id: int) -> ChannelTicket:
+        self.channel = KVChannel("prefill-gone", "127.0.0.1")
+        return self.channel.ticket(receiver, request_id)
 
 
 @ray.remote(num_cpus=0)
@@ -49,6 +63,7 @@ def nodes(tmp_path_factory):
             "report_interval_s": 0.0,
             "on_state": states[role].append,
             "staging_dir": staging,
+            "kv_channel": "gloo",
         }
 
     try:
@@ -79,10 +94,10 @@ async def tokens(decode, req, handoff):
     return [event.token_id async for event in decode.generate(req, handoff)]
 
 
-def test_disaggregated_requests_match_a_plain_run(nodes, reference):
+def test_disaggregated_requests_over_the_object_store_match_a_plain_run(nodes, reference):
     run, prefill, decode, _ = nodes
     for i, prompt in enumerate(PROMPTS):
-        req = request(100 + i, prompt)
+        req = request(100 + i, prompt)  # no decode node named: the object store
         handoff = run(prefill.prefill(req))
         assert isinstance(handoff.kv, ray.ObjectRef) and handoff.kv_bytes > 0
         assert prefill.state()["pinned_kv"] == 1  # held for the decode node
@@ -90,6 +105,37 @@ def test_disaggregated_requests_match_a_plain_run(nodes, reference):
         prefill.release(req.request_id)
         assert prefill.state()["pinned_kv"] == 0
     assert decode.kv_recomputes == 0
+
+
+def test_disaggregated_requests_over_the_gloo_channel_match_a_plain_run(nodes, reference):
+    run, prefill, decode, _ = nodes
+    for i, prompt in enumerate(PROMPTS):
+        req = request(150 + i, prompt, receiver=decode.node_id)
+        handoff = run(prefill.prefill(req))
+        assert isinstance(handoff.kv, ChannelTicket) and handoff.kv.receiver == decode.node_id
+        assert prefill.state()["pinned_kv"] == 1  # the send waits for the decode node
+        assert run(tokens(decode, req, handoff)) == reference[i]
+        run(_until(lambda: prefill.state()["pinned_kv"] == 0))  # taken: nothing held any more
+    assert decode.kv_recomputes == 0 and len(decode.channel) == 1  # one pair, reused
+
+
+async def _until(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def test_kv_from_a_channel_sender_that_died_is_recomputed(nodes, reference):
+    run, _, decode, _ = nodes
+    before = decode.kv_recomputes
+    req = request(450, PROMPTS[1], receiver=decode.node_id)
+    sender = GoneSender.remote()
+    ticket = ray.get(sender.ticket.remote(decode.node_id, req.request_id))
+    ray.kill(sender)
+    handoff = KVHandoff(ticket, 1, "prefill-gone", 0.0, 0.0, time.time())
+    assert run(tokens(decode, req, handoff)) == reference[1]
+    assert decode.kv_recomputes == before + 1
 
 
 def test_deflected_requests_match_a_plain_run(nodes, reference):

@@ -60,6 +60,16 @@ def test_pools_must_share_engine_and_model():
         AppArgs.model_validate(args)
 
 
+def test_the_kv_channel_is_for_vllm_engines_and_known_backends():
+    emulated = args_of("2p2d-emulated.yaml")
+    with pytest.raises(ValidationError, match="vLLM engines' KV"):
+        AppArgs.model_validate({**emulated, "serving": {"kv_channel": "gloo"}})
+    cpu = args_of("2p2d-cpu.yaml")
+    with pytest.raises(ValidationError, match="kv_channel"):
+        AppArgs.model_validate({**cpu, "serving": {**cpu["serving"], "kv_channel": "mpi"}})
+    assert AppArgs.model_validate(cpu).serving.kv_channel == "gloo"
+
+
 def test_unknown_args_are_rejected():
     args = args_of("2p2d-emulated.yaml")
     args["decode_config"]["replicas"] = 3

@@ -94,6 +94,7 @@ def test_streamed_completions_take_both_routes_with_correct_usage(cpu_app, token
         else:
             assert headers["x-kairos-prefill-node"].startswith("prefill-")
             assert headers["x-kairos-decode-node"].startswith("decode-")
+            assert headers["x-kairos-kv-transport"] == "gloo"  # straight to the chosen decode node
 
 
 def test_chat_streams_through_the_chat_template(cpu_app, tokenizer):
