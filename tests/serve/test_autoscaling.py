@@ -96,7 +96,7 @@ def node_groups(monkeypatch):
 
 def test_sustained_burst_adds_a_prefill_replica_and_quiet_removes_it(node_groups):
     port = free_port()
-    args = app_args()
+    args = app_args(max_in_flight=1024)  # admission is not under test: the whole burst is admitted, however slow
     args["kairos"]["policy"]["name"] = "pd"  # everything queues on the prefill pool
     for name, resource in (("prefill_config", "prefill_node"), ("decode_config", "decode_node")):
         args[name]["deployment_config"] = {"num_replicas": 1, "ray_actor_options": {"resources": {resource: 1}}}
