@@ -11,8 +11,15 @@ layer's blocks of the request are copied out, whole, into one staged file
 per tensor-parallel rank under ``staging_dir``. The blocks are then freed at
 once (the copy holds the KV), and the request's output carries
 ``kv_transfer_params = {"kairos_kv": <staged path>, "num_tokens": n}``.
-``kairos_ray.engines.vllm_engine`` reads the staged bytes, puts them into
-the Ray object store and deletes the file.
+``kairos_ray.engines.vllm_engine`` reads the staged bytes, hands them to the
+decode node (Ray object store or KV channel) and deletes the file.
+
+With ``kv_connector_extra_config = {"hold_blocks_until_taken": true}`` the
+producer instead keeps the request's blocks until the decode node has the KV:
+the engine then leaves a ``<staged file>.taken`` marker per rank, the worker
+reports the request as finished sending and vLLM frees the blocks (after
+``hold_timeout_s``, 120 s, they are freed in any case). vLLM keeps stepping
+while blocks are held, so an otherwise idle prefill engine polls meanwhile.
 
 Consumer (decode node): the engine writes the bytes it fetched from the
 object store under its own ``staging_dir`` and submits the request with
@@ -35,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +54,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from kairos_ray.engines.vllm_args import KV_PATH, KV_TOKENS, REMOTE_DECODE, default_staging_dir, rank_path
+from kairos_ray.engines.vllm_args import (
+    HOLD_KEY,
+    KV_PATH,
+    KV_TOKENS,
+    REMOTE_DECODE,
+    TAKEN,
+    default_staging_dir,
+    rank_path,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,6 +96,7 @@ def _block_dim(layer: torch.Tensor, num_blocks: int) -> int:
 class _Transfer:
     path: str  # staged path prefix
     block_ids: list[int]
+    req_id: str = ""
 
 
 @dataclass
@@ -93,7 +110,10 @@ class KairosKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
         self._num_blocks = kv_cache_config.num_blocks
-        self._dir = str(self._kv_transfer_config.get_from_extra_config("staging_dir", default_staging_dir()))
+        extra = self._kv_transfer_config.get_from_extra_config
+        self._dir = str(extra("staging_dir", default_staging_dir()))
+        self._hold = bool(extra(HOLD_KEY, False))
+        self._hold_timeout_s = float(extra("hold_timeout_s", 120.0))
         os.makedirs(self._dir, exist_ok=True)
         # scheduler side
         self._watched: dict[str, tuple[int, list[int]]] = {}  # producer: request id -> (prompt tokens, its blocks)
@@ -101,6 +121,8 @@ class KairosKVConnector(KVConnectorBase_V1):
         # worker side
         self._saving: dict[str, dict[str, torch.Tensor]] = {}  # path -> layer -> its blocks, this step
         self._failed_blocks: set[int] = set()
+        self._held: dict[str, tuple[str, float]] = {}  # request id -> (its staged file, when), blocks held
+        self._finished: set[str] = set()  # held requests vLLM has reported finished
 
     # ---- scheduler side --------------------------------------------------------------
 
@@ -151,15 +173,16 @@ class KairosKVConnector(KVConnectorBase_V1):
             prompt_len, blocks = self._watched[req_id]
             if computed < prompt_len <= computed + scheduler_output.num_scheduled_tokens.get(req_id, 0):
                 # the step that computes the prompt's last chunk: stage every block the prompt fills
-                meta.saves.append(_Transfer(self._staged_path(req_id), blocks[: -(-prompt_len // self._block_size)]))
+                prompt_blocks = blocks[: -(-prompt_len // self._block_size)]
+                meta.saves.append(_Transfer(self._staged_path(req_id), prompt_blocks, req_id))
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._watched.pop(request.request_id, None) is None:
             return False, None
-        # Saves are synchronous: the staged copy is whole, so the blocks are freed now.
+        # Saves are synchronous: the staged copy is whole, so the blocks can be freed now.
         path = self._staged_path(request.request_id)
-        return False, {KV_PATH: path, KV_TOKENS: request.num_prompt_tokens}
+        return self._hold, {KV_PATH: path, KV_TOKENS: request.num_prompt_tokens}
 
     # ---- worker side ----------------------------------------------------------------------
 
@@ -201,11 +224,31 @@ class KairosKVConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         saving, self._saving = self._saving, {}
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KairosKVMetadata)
+        requests = {save.path: save.req_id for save in meta.saves}
         rank = _tp_rank()
         for path, layers in saving.items():
             final = rank_path(path, rank)
             torch.save(layers, final + ".tmp")
             os.replace(final + ".tmp", final)  # a reader never sees half a file
+            if self._hold:
+                self._held[requests[path]] = (final, time.monotonic())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Held requests whose KV the decode node has (or held past ``hold_timeout_s``): free their blocks."""
+        self._finished |= finished_req_ids & self._held.keys()
+        now, taken = time.monotonic(), set()
+        for req_id in self._finished:
+            path, since = self._held[req_id]
+            if os.path.exists(path + TAKEN) or now - since > self._hold_timeout_s:
+                taken.add(req_id)
+                with contextlib.suppress(OSError):
+                    os.unlink(path + TAKEN)
+        for req_id in taken:
+            del self._held[req_id]
+        self._finished -= taken
+        return taken or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kairos_ray.core import StepLatency, StepLatencyModel
@@ -23,6 +23,8 @@ GUARD_KEY = "chunk_guard"
 KV_PATH = "kairos_kv"  # kv_transfer_params key: the staged path (without the rank suffix)
 KV_TOKENS = "num_tokens"  # kv_transfer_params key: prompt tokens whose KV was staged
 REMOTE_DECODE = "do_remote_decode"  # kv_transfer_params key set by the caller of a producer
+HOLD_KEY = "hold_blocks_until_taken"  # kv_connector_extra_config: producer keeps blocks until the KV is taken
+TAKEN = ".taken"  # suffix of the marker the engine leaves once the decode node has a staged file's KV
 
 
 def guard_spec(model: StepLatency, candidates: Sequence[int], tbt_budget_s: float) -> dict[str, Any]:
@@ -45,3 +47,10 @@ def default_staging_dir() -> str:
 def rank_path(prefix: str, rank: int) -> str:
     """The staged file of one tensor-parallel rank."""
     return f"{prefix}.rank{rank}.pt"
+
+
+def mark_taken(prefix: str, ranks: Iterable[int]) -> None:
+    """Tell a holding producer that the decode node has the KV staged under ``prefix``: it frees the blocks."""
+    for rank in ranks:
+        with open(rank_path(prefix, rank) + TAKEN, "w"):
+            pass

@@ -2,7 +2,8 @@
 
 Prefill node: the prompt runs with ``max_tokens=1`` and ``kv_transfer_params
 = {"do_remote_decode": true}``; ``engines.kv_connector`` stages the prompt's
-KV blocks when its last chunk is computed (vLLM frees them at once); this
+KV blocks when its last chunk is computed (vLLM frees them at once, or,
+with ``hold_blocks``, once the decode node has the KV); this
 engine reads the staged bytes and hands them over by one of two transports:
 
 - the Ray object store (the general path): the bytes are put there and the
@@ -54,11 +55,13 @@ from kairos_ray.engines.kv_channel import ChannelError, ChannelTicket, KVChannel
 from kairos_ray.engines.node_state import KVPins, StateReporter
 from kairos_ray.engines.vllm_args import (
     GUARD_KEY,
+    HOLD_KEY,
     KV_PATH,
     KV_TOKENS,
     REMOTE_DECODE,
     SCHEDULE_KEY,
     default_staging_dir,
+    mark_taken,
     rank_path,
 )
 
@@ -69,11 +72,14 @@ CONNECTOR = "kairos_ray.engines.kv_connector"
 SCHEDULER = "kairos_ray.engines.vllm_scheduler.ChunkScheduleScheduler"
 
 
-def engine_args(role: str, model: str, engine_kwargs: dict[str, Any], staging_dir: str) -> dict[str, Any]:
+def engine_args(
+    role: str, model: str, engine_kwargs: dict[str, Any], staging_dir: str, hold_blocks: bool = False
+) -> dict[str, Any]:
     """vLLM engine arguments for a node of ``role``: the pool's ``engine_kwargs`` plus what Kairos needs.
 
-    Prefill nodes get the Kairos KV connector as producer, decode nodes as
-    consumer plus the chunk-schedule scheduler. A ``kv_transfer_config`` in
+    Prefill nodes get the Kairos KV connector as producer (keeping a request's
+    blocks until the decode node has its KV if ``hold_blocks``), decode nodes
+    as consumer plus the chunk-schedule scheduler. A ``kv_transfer_config`` in
     ``engine_kwargs`` (e.g. vLLM's ``NixlConnector``) replaces the Kairos one.
     """
     kv_config: dict[str, Any] = {
@@ -81,7 +87,7 @@ def engine_args(role: str, model: str, engine_kwargs: dict[str, Any], staging_di
         "kv_connector_module_path": CONNECTOR,
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"staging_dir": staging_dir},
+        "kv_connector_extra_config": {"staging_dir": staging_dir, HOLD_KEY: hold_blocks and role == "prefill"},
     }
     args: dict[str, Any] = {
         "model": model,
@@ -134,6 +140,7 @@ class VllmEngine:
         on_state: Callable[[dict[str, Any]], None] | None = None,
         staging_dir: str | None = None,
         kv_channel: str | None = None,
+        hold_blocks: bool = False,
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
@@ -144,7 +151,9 @@ class VllmEngine:
         self.reporter = StateReporter(self.state, on_state, report_interval_s)
         self.staging_dir = staging_dir or default_staging_dir()
         os.makedirs(self.staging_dir, exist_ok=True)
-        self.args = engine_args(role, model, engine_kwargs, self.staging_dir)
+        self.args = engine_args(role, model, engine_kwargs, self.staging_dir, hold_blocks)
+        extra = self.args["kv_transfer_config"].get("kv_connector_extra_config") or {}
+        self._holds = bool(extra.get(HOLD_KEY))  # the connector holds blocks until told the KV was taken
         self.connector = str(self.args["kv_transfer_config"].get("kv_connector", ""))
         self.llm: Any = None
         self.kv_capacity_tokens = 0
@@ -155,6 +164,7 @@ class VllmEngine:
         self._committed: dict[int, tuple[int, ...]] = {}  # decode: rid -> schedule, until its first token
         self._pins = KVPins()  # prefill: KV payloads handed off, until the decode node has them
         self._sending: set[asyncio.Task[None]] = set()  # prefill: channel sends not taken yet
+        self._staged: dict[int, tuple[str, list[int]]] = {}  # prefill, holding: rid -> (staged prefix, ranks)
         self._waiting = 0  # requests vLLM has not scheduled yet
         self._kv_usage = 0.0
         self._last: _Step | None = None
@@ -259,11 +269,14 @@ class VllmEngine:
         kv: Any = final.kv_transfer_params  # another connector's hand-off: its parameters
         kv_bytes, transport = 0, self.connector
         if KV_PATH in final.kv_transfer_params:  # the Kairos connector staged the KV
-            payload = self._collect(str(final.kv_transfer_params[KV_PATH]))
+            prefix = str(final.kv_transfer_params[KV_PATH])
+            payload = self._collect(prefix)
             kv_bytes = sum(len(b) for b in payload.values())
+            if self._holds:
+                self._staged[request.request_id] = (prefix, list(payload))
             if self.channel is not None and request.kv_receiver:  # straight to the chosen decode node
                 kv, transport = self.channel.ticket(request.kv_receiver, request.request_id), self.channel.backend
-                task = asyncio.get_running_loop().create_task(self._send(kv, payload))
+                task = asyncio.get_running_loop().create_task(self._send(request.request_id, kv, payload))
                 self._sending.add(task)
                 task.add_done_callback(self._sending.discard)
             else:  # into the object store
@@ -297,15 +310,25 @@ class VllmEngine:
             raise RuntimeError(f"no staged KV at {prefix}")
         return payload
 
-    async def _send(self, ticket: ChannelTicket, payload: dict[int, bytes]) -> None:
+    async def _send(self, rid: int, ticket: ChannelTicket, payload: dict[int, bytes]) -> None:
         assert self.channel is not None
         try:
             await self.channel.send(ticket, payload)
         except ChannelError as error:  # the decode node recomputes when it does not receive
             logger.warning("%s: %s", self.node_id, error)
+        finally:
+            self._taken(rid)
 
     def release(self, request_id: int) -> None:
         self._pins.release(request_id)
+        self._taken(request_id)
+
+    def _taken(self, rid: int) -> None:
+        """The decode node has the request's KV (or will recompute it): a holding connector frees its blocks."""
+        staged = self._staged.pop(rid, None)
+        if staged is not None:
+            with contextlib.suppress(OSError):
+                mark_taken(*staged)
 
     async def _receive(self, kv: Any) -> dict[int, bytes]:
         """A hand-off's KV bytes {rank: bytes}, from the channel or the object store."""

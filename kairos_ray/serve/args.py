@@ -111,6 +111,11 @@ class ServingConfig(_Strict):
         description="vLLM engines: send hand-off KV straight to the decode node over point-to-point gloo "
         "(CPU) or NCCL (GPU) pairs instead of the Ray object store",
     )
+    kv_hold_blocks: bool = Field(
+        False,
+        description="vLLM prefill nodes keep a hand-off's KV blocks until the decode node has the KV "
+        "(default: free them once the staged host copy is whole)",
+    )
     refit_every_steps: int = Field(
         0, ge=0, description="router refits the step-latency model every N reported steps (0: never)"
     )
@@ -131,8 +136,9 @@ class AppArgs(_Strict):
             raise ValueError(
                 f"prefill_config.engine ({prefill.engine}) and decode_config.engine ({decode.engine}) differ"
             )
-        if self.serving.kv_channel and prefill.engine != "vllm":
-            raise ValueError(f"serving.kv_channel carries vLLM engines' KV; the pools run {prefill.engine} engines")
+        for knob in ("kv_channel", "kv_hold_blocks"):
+            if getattr(self.serving, knob) and prefill.engine != "vllm":
+                raise ValueError(f"serving.{knob} is for vLLM engines' KV; the pools run {prefill.engine} engines")
         p_model, d_model = prefill.model_loading_config, decode.model_loading_config
         if (p_model.model_id, p_model.source) != (d_model.model_id, d_model.source):
             raise ValueError(

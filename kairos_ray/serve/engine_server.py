@@ -67,6 +67,7 @@ class EngineServer:
                 report_interval_s=opts.report_interval_s,
                 on_state=self._push,
                 kv_channel=opts.kv_channel,
+                hold_blocks=opts.kv_hold_blocks,
             )
             await self.engine.start()
             return

@@ -64,6 +64,7 @@ def nodes(tmp_path_factory):
             "on_state": states[role].append,
             "staging_dir": staging,
             "kv_channel": "gloo",
+            "hold_blocks": role == "prefill",  # the prefill node keeps its blocks until the KV is taken
         }
 
     try:
@@ -124,6 +125,23 @@ async def _until(condition, timeout_s: float = 60.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
+
+
+def test_the_prefill_node_holds_the_blocks_until_the_decode_node_has_the_kv(nodes, reference):
+    run, prefill, decode, states = nodes
+    req = request(500, PROMPTS[2])  # through the object store: taken when released
+    handoff = run(prefill.prefill(req))
+    steps = len(states["prefill"])
+    run(_until(lambda: len(states["prefill"]) > steps + 5))  # the engine steps on while it holds the blocks
+    assert prefill.state()["kv_usage"] > 0
+    assert run(tokens(decode, req, handoff)) == reference[2]
+    prefill.release(req.request_id)
+    run(_until(lambda: prefill.state()["kv_usage"] == 0))
+    req = request(501, PROMPTS[2], receiver=decode.node_id)  # over the channel: taken when received
+    handoff = run(prefill.prefill(req))
+    assert prefill.state()["kv_usage"] > 0
+    assert run(tokens(decode, req, handoff)) == reference[2]
+    run(_until(lambda: prefill.state()["kv_usage"] == 0))
 
 
 def test_kv_from_a_channel_sender_that_died_is_recomputed(nodes, reference):

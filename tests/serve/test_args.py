@@ -62,8 +62,9 @@ def test_pools_must_share_engine_and_model():
 
 def test_the_kv_channel_is_for_vllm_engines_and_known_backends():
     emulated = args_of("2p2d-emulated.yaml")
-    with pytest.raises(ValidationError, match="vLLM engines' KV"):
-        AppArgs.model_validate({**emulated, "serving": {"kv_channel": "gloo"}})
+    for knob, value in (("kv_channel", "gloo"), ("kv_hold_blocks", True)):
+        with pytest.raises(ValidationError, match=f"{knob} is for vLLM engines' KV"):
+            AppArgs.model_validate({**emulated, "serving": {knob: value}})
     cpu = args_of("2p2d-cpu.yaml")
     with pytest.raises(ValidationError, match="kv_channel"):
         AppArgs.model_validate({**cpu, "serving": {**cpu["serving"], "kv_channel": "mpi"}})
