@@ -117,6 +117,7 @@ class KairosKVConnector(KVConnectorBase_V1):
         os.makedirs(self._dir, exist_ok=True)
         # scheduler side
         self._watched: dict[str, tuple[int, list[int]]] = {}  # producer: request id -> (prompt tokens, its blocks)
+        self._staging: set[str] = set()  # producer: watched requests whose KV a step stages
         self._pending_loads: list[_Transfer] = []  # consumer: loads planned for the next step
         # worker side
         self._saving: dict[str, dict[str, torch.Tensor]] = {}  # path -> layer -> its blocks, this step
@@ -175,14 +176,19 @@ class KairosKVConnector(KVConnectorBase_V1):
                 # the step that computes the prompt's last chunk: stage every block the prompt fills
                 prompt_blocks = blocks[: -(-prompt_len // self._block_size)]
                 meta.saves.append(_Transfer(self._staged_path(req_id), prompt_blocks, req_id))
+                self._staging.add(req_id)
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._watched.pop(request.request_id, None) is None:
             return False, None
+        staged = request.request_id in self._staging
+        self._staging.discard(request.request_id)
         # Saves are synchronous: the staged copy is whole, so the blocks can be freed now.
         path = self._staged_path(request.request_id)
-        return self._hold, {KV_PATH: path, KV_TOKENS: request.num_prompt_tokens}
+        # Held, the worker frees them once the decode node has the KV; a request aborted before its KV was
+        # staged has nothing to wait for.
+        return self._hold and staged, {KV_PATH: path, KV_TOKENS: request.num_prompt_tokens}
 
     # ---- worker side ----------------------------------------------------------------------
 
