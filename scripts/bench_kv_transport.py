@@ -11,7 +11,6 @@ median over the repeats per payload size and the ratio of the two.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import time
 
@@ -88,5 +87,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.set_event_loop_policy(None)
     main()

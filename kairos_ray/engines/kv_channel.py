@@ -8,8 +8,8 @@ shrink and restart, a pair forms the first time it carries KV, and a pair
 that breaks is replaced by a new one under a new key.
 
 A pair is a sequenced stream. Each ticket takes the pair's next sequence
-number; the sender sends each hand-off (a header with the request id and the
-bytes of each tensor-parallel rank, then the bytes) in sequence order, and the
+number; the sender sends each hand-off (a header with the byte count of each
+tensor-parallel rank, then the bytes) in sequence order, and the
 receiver receives in the same order, on demand: a decode node that needs
 hand-off ``k`` takes every earlier one off the stream first and keeps those for
 their requests. Order, not tags, matches sends to receives, so the same code
@@ -73,19 +73,18 @@ class _Pair:
     unclaimed: dict[int, tuple[dict[int, bytes], float]] = field(default_factory=dict)  # receiver: seq -> payload
 
 
-def _header(request_id: int, payload: dict[int, bytes]) -> torch.Tensor:
+def _header(payload: dict[int, bytes]) -> torch.Tensor:
     if len(payload) > MAX_RANKS or any(not 0 <= r < MAX_RANKS for r in payload):
         raise ValueError(f"at most {MAX_RANKS} tensor-parallel ranks per hand-off, got ranks {sorted(payload)}")
-    header = torch.full((1 + MAX_RANKS,), -1, dtype=torch.int64)
-    header[0] = request_id
+    header = torch.full((MAX_RANKS,), -1, dtype=torch.int64)  # bytes of each rank; -1: no such rank
     for rank, data in payload.items():
-        header[1 + rank] = len(data)
+        header[rank] = len(data)
     return header
 
 
 def _unpack(header: torch.Tensor, body: torch.Tensor) -> dict[int, bytes]:
     data, payload, offset = body.numpy().data, {}, 0
-    for rank, n in enumerate(header[1:].tolist()):
+    for rank, n in enumerate(header.tolist()):
         if n >= 0:
             payload[rank] = bytes(data[offset : offset + n])  # one copy
             offset += n
@@ -186,7 +185,7 @@ class KVChannel:
         await self._run(self._send, ticket, payload)
 
     def _send(self, ticket: ChannelTicket, payload: dict[int, bytes]) -> None:
-        header = _header(ticket.request_id, payload).to(self.device)
+        header = _header(payload).to(self.device)
         data = bytearray().join(payload[r] for r in sorted(payload))  # one copy
         body = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         pair = self._pair(ticket.key, 0, ticket.host, ticket.port)
@@ -215,10 +214,10 @@ class KVChannel:
         with pair.turn:  # one thread takes hand-offs off the stream at a time, in order, up to this one
             while pair.next_seq <= ticket.seq:
                 seq = pair.next_seq
-                header = torch.empty(1 + MAX_RANKS, dtype=torch.int64, device=self.device)
+                header = torch.empty(MAX_RANKS, dtype=torch.int64, device=self.device)
                 self._transfer(ticket.key, pair, "recv", header, seq)
                 header = header.cpu()
-                body = torch.empty(int(header[1:].clamp(min=0).sum()), dtype=torch.uint8, device=self.device)
+                body = torch.empty(int(header.clamp(min=0).sum()), dtype=torch.uint8, device=self.device)
                 self._transfer(ticket.key, pair, "recv", body, seq)
                 now = time.monotonic()
                 for old in [s for s, (_, since) in pair.unclaimed.items() if now - since > UNCLAIMED_S]:

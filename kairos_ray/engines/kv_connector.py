@@ -184,10 +184,10 @@ class KairosKVConnector(KVConnectorBase_V1):
             return False, None
         staged = request.request_id in self._staging
         self._staging.discard(request.request_id)
-        # Saves are synchronous: the staged copy is whole, so the blocks can be freed now.
+        # Saves are synchronous: the staged copy is whole, so the blocks can be freed now. Held, the worker
+        # frees them once the decode node has the KV; a request aborted before its KV was staged has nothing
+        # to wait for.
         path = self._staged_path(request.request_id)
-        # Held, the worker frees them once the decode node has the KV; a request aborted before its KV was
-        # staged has nothing to wait for.
         return self._hold and staged, {KV_PATH: path, KV_TOKENS: request.num_prompt_tokens}
 
     # ---- worker side ----------------------------------------------------------------------

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 import ray
+import torch
 
 from kairos_ray.engines.kv_channel import ChannelError, KVChannel
 
@@ -118,12 +119,6 @@ def test_a_sender_gone_before_the_pair_formed_is_unreachable(ray_session):
 def test_bad_backends_are_refused_with_a_clear_error():
     with pytest.raises(ValueError, match="one of"):
         KVChannel("prefill-0", HOST, "mpi")
-    if not torch_cuda():
+    if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs CUDA"):
             KVChannel("prefill-0", HOST, "nccl")
-
-
-def torch_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
