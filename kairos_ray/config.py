@@ -2,7 +2,9 @@
 
 Every section forbids unknown keys, so a typo fails loudly. Invalid values fail
 with a message that names the field and quotes the value (``format_errors``).
-The tree turns into the core's plain ``PolicyParams`` and a ready ``Policy``.
+The tree turns into the core's plain ``PolicyParams`` and a ready ``Policy``
+(``KairosConfig.build_policy``, the one place policies are built); the
+defaults are the core's own (``PolicyParams()``, ``Thresholds()``).
 """
 
 from __future__ import annotations
@@ -10,13 +12,16 @@ from __future__ import annotations
 import itertools
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kairos_ray.core import Policy, PolicyParams, StepLatencyModel, Thresholds, make_policy, parse_spec
+from kairos_ray.core import Policy, PolicyParams, StepLatency, StepLatencyModel, Thresholds, make_policy, parse_spec
+from kairos_ray.core.estimate import PrefillEstimatorName
 
+DEFAULT_PARAMS = PolicyParams()
+DEFAULT_THRESHOLDS = Thresholds()
 SHIPPED_PROFILES = resources.files("kairos_ray") / "profiles"
 
 
@@ -47,29 +52,42 @@ class SLOConfig(_Section):
     """Service-level objectives, checked together (paper: P95 TTFT <= 4 s and P95 TBT <= 70 ms)."""
 
     ttft_s: float = Field(4.0, gt=0, description="TTFT objective, seconds")
-    tbt_s: float = Field(0.070, gt=0, description="time-between-tokens objective tau, seconds")
+    tbt_s: float = Field(DEFAULT_PARAMS.tbt_slo_s, gt=0, description="time-between-tokens objective tau, seconds")
 
 
 class ThresholdsConfig(_Section):
     """Thresholds of the static baselines when the policy name carries none (``sq`` rather than ``sq:4``)."""
 
-    sq_queued_requests: int = Field(1, ge=1, description="SQ(theta): deflect when the shortest queue holds >= theta")
-    sl_prompt_tokens: int = Field(1024, ge=1, description="SL(l): deflect prompts of <= l tokens")
+    sq_queued_requests: int = Field(
+        DEFAULT_THRESHOLDS.sq_queued_requests,
+        ge=1,
+        description="SQ(theta): deflect when the shortest queue holds >= theta",
+    )
+    sl_prompt_tokens: int = Field(
+        DEFAULT_THRESHOLDS.sl_prompt_tokens, ge=1, description="SL(l): deflect prompts of <= l tokens"
+    )
 
 
 class PolicyConfig(_Section):
     """Which routing policy decides, and its knobs."""
 
-    name: str = Field("kairos", description="policy spec: kairos, pd, sq:<theta>, sl:<tokens>")
-    alpha: float = Field(1.2, ge=1, description="deflect only if alpha * TTFT_dec < TTFT_pf (clearly faster)")
-    beta: float = Field(0.9, gt=0, description="TBT safety factor: each step must fit beta * tbt_s (Eq. 5)")
+    name: str = Field("kairos", description="policy spec: kairos, pd, sq:<theta>, sl:<tokens>, oracle (simulator only)")
+    alpha: float = Field(
+        DEFAULT_PARAMS.alpha, ge=1, description="deflect only if alpha * TTFT_dec < TTFT_pf (clearly faster)"
+    )
+    beta: float = Field(
+        DEFAULT_PARAMS.beta, gt=0, description="TBT safety factor: each step must fit beta * tbt_s (Eq. 5)"
+    )
     chunk_candidates: tuple[int, ...] = Field(
-        (2048, 1024, 512, 256, 128, 64), description="chunk sizes LargestSafe may pick, strictly decreasing"
+        DEFAULT_PARAMS.chunk_candidates, description="chunk sizes LargestSafe may pick, strictly decreasing"
     )
-    prefill_estimator: Literal["exact", "paper"] = Field(
-        "exact", description="prefill TTFT estimator: 'paper' (Eq. 1-2) or 'exact' (walks the FIFO)"
+    prefill_estimator: PrefillEstimatorName = Field(
+        DEFAULT_PARAMS.prefill_estimator,
+        description="prefill TTFT estimator: 'paper' (Eq. 1-2) or 'exact' (walks the FIFO)",
     )
-    static_chunk_tokens: int = Field(512, ge=1, description="fixed chunk the sq/sl baselines deflect with")
+    static_chunk_tokens: int = Field(
+        DEFAULT_PARAMS.static_chunk_tokens, ge=1, description="fixed chunk the sq/sl baselines deflect with"
+    )
     thresholds: ThresholdsConfig = ThresholdsConfig()
 
     @field_validator("name")
@@ -91,24 +109,19 @@ class PolicyConfig(_Section):
 
 
 class PredictorConfig(_Section):
-    """Step-latency models (Eq. 4): a shipped profile name or a profile JSON file."""
+    """The step-latency model (Eq. 4) of every node, prefill and decode alike (the paper's one hardware type):
+    a shipped profile name or a profile JSON file."""
 
-    profile: str = Field("a100-deepseek-v2-lite", description="decode-node profile (name or path)")
-    prefill_profile: str | None = Field(None, description="prefill-node profile; defaults to `profile`")
+    profile: str = Field("a100-deepseek-v2-lite", description="step-latency profile (name or path)")
 
-    @field_validator("profile", "prefill_profile")
+    @field_validator("profile")
     @classmethod
-    def _exists(cls, value: str | None) -> str | None:
-        if value is not None:
-            resolve_profile(value)
+    def _exists(cls, value: str) -> str:
+        resolve_profile(value)
         return value
 
-    def load(self) -> tuple[StepLatencyModel, StepLatencyModel]:
-        """(prefill model, decode model)."""
-        decode = StepLatencyModel.load(resolve_profile(self.profile))
-        if self.prefill_profile is None:
-            return decode, decode
-        return StepLatencyModel.load(resolve_profile(self.prefill_profile)), decode
+    def load(self) -> StepLatencyModel:
+        return StepLatencyModel.load(resolve_profile(self.profile))
 
 
 class KairosConfig(_Section):
@@ -117,7 +130,9 @@ class KairosConfig(_Section):
     slo: SLOConfig = SLOConfig()
     policy: PolicyConfig = PolicyConfig()
     predictor: PredictorConfig = PredictorConfig()
-    prefill_chunk_tokens: int = Field(2048, ge=1, description="chunk size chi_p of the prefill nodes")
+    prefill_chunk_tokens: int = Field(
+        DEFAULT_PARAMS.prefill_chunk_tokens, ge=1, description="chunk size chi_p of the prefill nodes"
+    )
 
     def policy_params(self) -> PolicyParams:
         p = self.policy
@@ -135,12 +150,23 @@ class KairosConfig(_Section):
         t = self.policy.thresholds
         return Thresholds(t.sq_queued_requests, t.sl_prompt_tokens)
 
-    def build_policy(self, spec: str | None = None) -> Policy:
-        """The configured policy, or the one ``spec`` names with this config's knobs."""
-        prefill_model, decode_model = self.predictor.load()
-        return make_policy(
-            spec or self.policy.name, self.policy_params(), prefill_model, decode_model, self.thresholds()
-        )
+    def build_policy(
+        self, spec: str | None = None, model: StepLatency | None = None, truth: StepLatency | None = None
+    ) -> Policy:
+        """The configured policy, or the one ``spec`` names, with this config's knobs: the one policy builder.
+
+        It decides with ``model`` (default: the predictor's profile). ``truth`` is
+        the emulator's noise-free ground truth, which the ``oracle`` decides with;
+        without it (on live engines) the oracle is refused.
+        """
+        spec = spec or self.policy.name
+        cls, _ = parse_spec(spec)
+        if cls.decides_with_ground_truth:
+            if truth is None:
+                raise ValueError(f"policy {spec!r} decides with the emulator's ground truth: the simulator only")
+            model = truth
+        model = model or self.predictor.load()
+        return make_policy(spec, self.policy_params(), model, model, self.thresholds())
 
 
 class ConfigError(ValueError):

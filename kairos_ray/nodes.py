@@ -29,23 +29,19 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kairos_ray.core import Decision, DecodeNodeView, PrefillNodeView
-
-Guard = Callable[[int, int, int], int]
-"""(B, K, planned chunk) -> chunk to run this step (0: none)."""
+from kairos_ray.core import Decision, DecodeNodeView, Guard, PrefillNodeView
 
 
 @dataclass(slots=True, eq=False)
 class Job:
     """One request as the nodes see it; times are the driver's clock, in seconds."""
 
-    rid: int
+    request_id: int
     arrival_s: float
-    prompt: int
-    output: int  # tokens to generate, the first included
+    prompt_tokens: int
+    output_tokens: int  # tokens to generate, the first included
     decision: Decision | None = None
     prefill_node: int = -1
     decode_node: int = -1
@@ -71,7 +67,7 @@ class PrefillNode:
     busy_s: float = 0.0
 
     def view(self) -> PrefillNodeView:
-        queued = [j.prompt for j in self.queue]
+        queued = [j.prompt_tokens for j in self.queue]
         if queued:
             queued[0] -= self.done_tokens
         return PrefillNodeView(self.node_id, tuple(queued), head_prefilled_tokens=self.done_tokens)
@@ -84,7 +80,7 @@ class PrefillNode:
         head = self.queue[0]
         if self.done_tokens == 0:
             head.prefill_start_s = now
-        self.chunk = min(self.chunk_tokens, head.prompt - self.done_tokens)
+        self.chunk = min(self.chunk_tokens, head.prompt_tokens - self.done_tokens)
         self.busy = True
         return self.done_tokens, self.chunk
 
@@ -92,7 +88,7 @@ class PrefillNode:
         """Apply the step; returns the job whose prompt it finished, if any."""
         self.done_tokens += self.chunk
         head = self.queue[0]
-        if self.done_tokens < head.prompt:
+        if self.done_tokens < head.prompt_tokens:
             return None
         self.queue.popleft()
         self.done_tokens = 0
@@ -114,7 +110,7 @@ class DecodeNode:
     chunk: int = 0  # deflected tokens in the step in flight
     busy: bool = False
     busy_s: float = 0.0
-    finishing: list[tuple[int, int, Job]] = field(default_factory=list)  # heap of (last_step, rid, job)
+    finishing: list[tuple[int, int, Job]] = field(default_factory=list)  # heap of (last_step, request_id, job)
     deflections: deque[Job] = field(default_factory=deque)
     waiting: deque[Job] = field(default_factory=deque)
     joined: list[Job] = field(default_factory=list)  # joined the batch in the last begin_step/end_step
@@ -135,7 +131,7 @@ class DecodeNode:
 
     def deflect(self, job: Job) -> None:
         """Commit a deflected job; it runs after the deflections already here."""
-        self.reserved_tokens += job.prompt + job.output
+        self.reserved_tokens += job.prompt_tokens + job.output_tokens
         self.deflections.append(job)
 
     def transferred(self, job: Job, now: float) -> None:
@@ -150,16 +146,16 @@ class DecodeNode:
         joined.clear()
         while self.waiting and self.running < self.max_batch_size:
             job = self.waiting[0]
-            need = job.prompt + job.output
+            need = job.prompt_tokens + job.output_tokens
             if self.reserved_tokens + need > self.kv_capacity_tokens and self.running:
                 break  # wait for KV to free up (an idle node always takes it: nothing else will free KV)
             self.waiting.popleft()
             self.reserved_tokens += need
             self.running += 1
-            self.kv_tokens += job.prompt
+            self.kv_tokens += job.prompt_tokens
             job.join_step = step
-            job.last_step = step + job.output - 1
-            heapq.heappush(self.finishing, (job.last_step, job.rid, job))
+            job.last_step = step + job.output_tokens - 1
+            heapq.heappush(self.finishing, (job.last_step, job.request_id, job))
             joined.append(job)
         self.chunk = 0
         if self.deflections:
@@ -198,10 +194,10 @@ class DecodeNode:
                 self.deflections.popleft()
                 head.prefill_end_s = head.first_token_s = now
                 head.join_step = step + 1
-                head.last_step = step + head.output - 1
-                if head.output > 1:
+                head.last_step = step + head.output_tokens - 1
+                if head.output_tokens > 1:
                     self.running += 1
-                    heapq.heappush(self.finishing, (head.last_step, head.rid, head))
+                    heapq.heappush(self.finishing, (head.last_step, head.request_id, head))
                     joined.append(head)
                 else:
                     self._finish(head, now)
@@ -213,6 +209,6 @@ class DecodeNode:
 
     def _finish(self, job: Job, now: float) -> None:
         job.finish_s = now
-        self.kv_tokens -= job.prompt + max(0, job.last_step - job.join_step + 1)
-        self.reserved_tokens -= job.prompt + job.output
+        self.kv_tokens -= job.prompt_tokens + max(0, job.last_step - job.join_step + 1)
+        self.reserved_tokens -= job.prompt_tokens + job.output_tokens
         self.finished.append(job)

@@ -1,16 +1,31 @@
 import pytest
 
 from kairos_ray.config import ConfigError, KairosConfig, load_config, parse_config, resolve_profile
-from kairos_ray.core import Route
+from kairos_ray.core import PolicyParams, Route, Thresholds
 from kairos_ray.scenarios import burst_view
 
 
-def test_defaults_build_the_kairos_policy():
+def test_defaults_are_the_cores_and_build_the_kairos_policy():
     config = KairosConfig()
+    assert config.policy_params() == PolicyParams() and config.thresholds() == Thresholds()
     assert config.slo.tbt_s == 0.07 and config.slo.ttft_s == 4.0
     policy = config.build_policy()
-    assert policy.spec == "kairos"
-    assert policy.decide(1000, burst_view()).route in (Route.PREFILL, Route.DEFLECT)
+    assert policy.spec == "kairos" and policy.guards_chunks and policy.chunk_guard() is not None
+    # a burst has queued 19 K tokens on the prefill nodes: a short prompt goes to the light decode node
+    decision = policy.decide(1000, burst_view())
+    assert decision.route is Route.DEFLECT and decision.decode_node == "decode-0"
+    assert sum(decision.chunk_schedule) == 1000
+    assert config.build_policy("pd").decide(1000, burst_view()).route is Route.PREFILL
+
+
+def test_the_oracle_needs_the_ground_truth_and_static_baselines_guard_nothing():
+    config = KairosConfig()
+    with pytest.raises(ValueError, match="ground truth: the simulator only"):
+        config.build_policy("oracle")
+    model = config.predictor.load()
+    oracle = config.build_policy("oracle", truth=model)
+    assert oracle.spec == "oracle" and oracle.guards_chunks
+    assert config.build_policy("sl:512").chunk_guard() is None
 
 
 def test_params_carry_the_config_through():
@@ -72,6 +87,7 @@ def test_profiles_resolve_by_name_or_path(tmp_path):
     copy = tmp_path / "mine.json"
     copy.write_text(shipped.read_text())
     assert resolve_profile(str(copy)) == copy
-    config = parse_config({"predictor": {"profile": str(copy), "prefill_profile": "a100-deepseek-v2-lite"}})
-    prefill_model, decode_model = config.predictor.load()
-    assert prefill_model == decode_model
+    config = parse_config({"predictor": {"profile": str(copy)}})
+    assert config.predictor.load() == parse_config({}).predictor.load()
+    with pytest.raises(ConfigError, match=r"predictor\.prefill_profile: unknown field"):
+        parse_config({"predictor": {"prefill_profile": "a100-deepseek-v2-lite"}})

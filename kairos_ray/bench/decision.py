@@ -32,7 +32,7 @@ def run(
     config = KairosConfig()
     policy = config.build_policy("kairos")
     params = config.policy_params()
-    _, decode_model = config.predictor.load()
+    decode_model = config.predictor.load()
     rng = random.Random(seed)
     cases = [
         (

@@ -12,7 +12,7 @@ from kairos_ray.core.estimate import (
     queue_wait_paper_s,
 )
 from kairos_ray.core.latency import FEATURE_NAMES, StepLatency, StepLatencyModel, StepwiseLatency, features
-from kairos_ray.core.policy import POLICIES, Policy, PolicyParams, Thresholds, make_policy, parse_spec
+from kairos_ray.core.policy import POLICIES, Guard, Policy, PolicyParams, Thresholds, make_policy, parse_spec
 from kairos_ray.core.state import ClusterView, Decision, DecodeNodeView, PrefillNodeView, Route, apply_decision
 from kairos_ray.core.sweep import tbt_safe_schedule
 
@@ -23,6 +23,7 @@ __all__ = [
     "ClusterView",
     "Decision",
     "DecodeNodeView",
+    "Guard",
     "Policy",
     "PolicyParams",
     "PrefillNodeView",

@@ -23,6 +23,7 @@ after the steps that deflections already committed to the node still occupy.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Literal
 
 from kairos_ray.core.latency import StepLatency
 from kairos_ray.core.state import DecodeNodeView, PrefillNodeView
@@ -66,6 +67,7 @@ def prefill_ttft_exact_s(model: StepLatency, node: PrefillNodeView, prompt_token
 
 
 PrefillEstimator = Callable[[StepLatency, PrefillNodeView, int, int], float]
+PrefillEstimatorName = Literal["exact", "paper"]
 
 PREFILL_ESTIMATORS: dict[str, PrefillEstimator] = {
     "exact": prefill_ttft_exact_s,

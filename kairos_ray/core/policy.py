@@ -5,6 +5,9 @@
   behind the deflections already committed there and price it (Eq. 6); take
   the fastest feasible node n*, and deflect only when it beats the prefill path
   by the margin alpha: alpha * TTFT_dec(n*) < TTFT_pf.
+- ``oracle``: Algorithm 1 deciding with the noise-free ground truth rather
+  than the fitted predictor (the paper's Oracle row): the caller passes the
+  ground truth as the model, which only an emulator has.
 - ``pd``: plain disaggregation, never deflects.
 - ``sq:<theta>``: deflects when the shortest prefill queue holds >= theta requests.
 - ``sl:<tokens>``: deflects prompts of at most that many tokens.
@@ -16,7 +19,10 @@ decode node that would finish the prefill first, among those with KV room.
 Every policy sends a prefill-routed request to the prefill node with the
 least estimated TTFT and names the decode node with the most KV headroom.
 ``make_policy`` maps spec strings (``"kairos"``, ``"sq:4"``...) to policies so
-the simulator, the Serve router and the CLI share them.
+the simulator, the Serve router and the CLI share them. A policy says whether
+decode nodes re-check each planned chunk when it runs (``guards_chunks``, Eq.
+5 at run time) and hands out that check (``chunk_guard``), built from the
+model it decides with.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from kairos_ray.core.estimate import PREFILL_ESTIMATORS, after_committed, runs_s
+from kairos_ray.core.estimate import PREFILL_ESTIMATORS, PrefillEstimatorName, after_committed, runs_s
 from kairos_ray.core.latency import StepLatency
 from kairos_ray.core.state import ClusterView, Decision, DecodeNodeView, PrefillNodeView, Route
 from kairos_ray.core.sweep import Runs, expand, largest_safe_chunk, largest_safe_runs
@@ -41,7 +47,7 @@ class PolicyParams:
     tbt_slo_s: float = 0.07  # tau
     alpha: float = 1.2  # deflection margin, >= 1
     beta: float = 0.9  # TBT safety factor: steps must fit beta * tau
-    prefill_estimator: str = "exact"  # key of PREFILL_ESTIMATORS
+    prefill_estimator: PrefillEstimatorName = "exact"  # key of PREFILL_ESTIMATORS
     static_chunk_tokens: int = 512  # fixed chunk of the sq/sl baselines
 
     @property
@@ -49,7 +55,11 @@ class PolicyParams:
         return self.beta * self.tbt_slo_s
 
 
-def chunk_guard(model: StepLatency, params: PolicyParams) -> Callable[[int, int, int], int]:
+Guard = Callable[[int, int, int], int]
+"""(B, K, planned chunk) -> chunk to run this step (0: none): Eq. 5 checked when the chunk runs."""
+
+
+def chunk_guard(model: StepLatency, params: PolicyParams) -> Guard:
     """The decode node's run-time check of a planned chunk (Eq. 5 at run time; ``sweep.largest_safe_chunk``)."""
 
     def guard(batch_size: int, kv_tokens: int, planned: int) -> int:
@@ -62,9 +72,15 @@ class Policy(Protocol):
     """A routing policy: pure, deterministic, never mutates the view."""
 
     spec: str
+    guards_chunks: bool  # decode nodes re-check each planned chunk when it runs (Eq. 5 at run time)
+    decides_with_ground_truth: bool  # the caller must pass the emulator's ground truth as the model
 
     def decide(self, prompt_tokens: int, view: ClusterView) -> Decision:
         """Route one request of ``prompt_tokens`` tokens given the current view."""
+        ...
+
+    def chunk_guard(self) -> Guard | None:
+        """The run-time chunk check decode nodes apply under this policy, or None (``guards_chunks`` false)."""
         ...
 
 
@@ -93,6 +109,8 @@ class _BasePolicy:
     """Shared plumbing: prefill-path estimate, node choice, decision building."""
 
     spec = ""
+    guards_chunks = False
+    decides_with_ground_truth = False
 
     def __init__(self, params: PolicyParams, prefill_model: StepLatency, decode_model: StepLatency) -> None:
         self.params = params
@@ -135,6 +153,9 @@ class _BasePolicy:
 
     def _decide(self, prompt_tokens: int, view: ClusterView) -> Decision:
         raise NotImplementedError
+
+    def chunk_guard(self) -> Guard | None:
+        return chunk_guard(self.decode_model, self.params) if self.guards_chunks else None
 
     def _best_prefill(self, prompt_tokens: int, view: ClusterView) -> tuple[PrefillNodeView, float]:
         """Prefill node with the least estimated TTFT for this request (Eq. 1)."""
@@ -191,6 +212,7 @@ class KairosPolicy(_BasePolicy):
     """Algorithm 1: deflect to the fastest TBT-safe decode node when it wins by the margin alpha."""
 
     spec = "kairos"
+    guards_chunks = True
 
     def _decide(self, prompt_tokens: int, view: ClusterView) -> Decision:
         params = self.params
@@ -216,6 +238,13 @@ class KairosPolicy(_BasePolicy):
             return self._to_decode(option, ttft_pf, reason)
         reason = f"decode {option.ttft_s:.3f}s x alpha {params.alpha:g} >= prefill {ttft_pf:.3f}s"
         return self._to_prefill(view, prefill, ttft_pf, option.ttft_s, reason)
+
+
+class OraclePolicy(KairosPolicy):
+    """Algorithm 1 with perfect step-time knowledge: its models are the noise-free ground truth."""
+
+    spec = "oracle"
+    decides_with_ground_truth = True
 
 
 class PDPolicy(_BasePolicy):
@@ -303,19 +332,25 @@ class SLPolicy(_ThresholdPolicy):
         return False, f"prompt {prompt_tokens} > {self.threshold} tokens"
 
 
-POLICIES: dict[str, type[_BasePolicy]] = {"kairos": KairosPolicy, "pd": PDPolicy, "sq": SQPolicy, "sl": SLPolicy}
+POLICIES: dict[str, type[_BasePolicy]] = {
+    "kairos": KairosPolicy,
+    "oracle": OraclePolicy,
+    "pd": PDPolicy,
+    "sq": SQPolicy,
+    "sl": SLPolicy,
+}
 """Registry: spec name -> policy class. A spec is ``name`` or ``name:threshold``."""
 
 
 def parse_spec(spec: str) -> tuple[type[_BasePolicy], str | None]:
-    """Split and check a spec string (``kairos``, ``pd``, ``sq:<theta>``, ``sl:<tokens>``).
+    """Split and check a spec string (``kairos``, ``oracle``, ``pd``, ``sq:<theta>``, ``sl:<tokens>``).
 
     Raises ``ValueError`` naming the accepted forms for an unknown name or a bad threshold.
     """
     name, sep, arg = spec.strip().partition(":")
     cls = POLICIES.get(name.lower())
     if cls is None:
-        raise ValueError(f"unknown policy {spec!r}; known: kairos, pd, sq:<theta>, sl:<tokens>")
+        raise ValueError(f"unknown policy {spec!r}; known: kairos, oracle, pd, sq:<theta>, sl:<tokens>")
     cls.check_arg(arg if sep else None)
     return cls, arg if sep else None
 

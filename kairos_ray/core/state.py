@@ -79,12 +79,14 @@ class Decision:
         return self.route is Route.DEFLECT
 
 
-def apply_decision(view: ClusterView, prompt_tokens: int, decision: Decision) -> ClusterView:
+def apply_decision(view: ClusterView, prompt_tokens: int, decision: Decision, output_tokens: int = 0) -> ClusterView:
     """The view after ``decision`` is dispatched, before any engine reports back.
 
     A prefill-routed request joins the tail of its prefill node's FIFO; a
     deflected one commits its chunk schedule to its decode node, behind the
-    deflections already there.
+    deflections already there, and reserves KV for its ``output_tokens`` there
+    at once (its prompt's KV is the schedule itself), as a decode node does
+    when it takes the request.
     """
     if decision.route is Route.PREFILL:
         prefill = tuple(
@@ -95,7 +97,11 @@ def apply_decision(view: ClusterView, prompt_tokens: int, decision: Decision) ->
         )
         return replace(view, prefill=prefill)
     decode = tuple(
-        replace(node, committed=(*node.committed, decision.chunk_schedule))
+        replace(
+            node,
+            committed=(*node.committed, decision.chunk_schedule),
+            free_kv_tokens=node.free_kv_tokens - output_tokens,
+        )
         if node.node_id == decision.decode_node
         else node
         for node in view.decode

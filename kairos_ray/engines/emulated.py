@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 import ray
 
-from kairos_ray.core import StepLatency
+from kairos_ray.core import Guard, StepLatency
+from kairos_ray.emulation import ClusterHardware, StepNoise
 from kairos_ray.engines import EngineRequest, KVHandoff, TokenEvent
 from kairos_ray.engines.node_state import KVPins, StateReporter
-from kairos_ray.nodes import DecodeNode, Guard, Job, PrefillNode
-from kairos_ray.sim.hardware import ClusterHardware, StepNoise
+from kairos_ray.nodes import DecodeNode, Job, PrefillNode
 
 VOCAB = 1000
 
@@ -120,7 +120,7 @@ class EmulatedEngine:
             return self.truth.step_s(0, *step) * self._noise.next()
         dstep = self.decode_node.begin_step(now)
         for job in self.decode_node.joined:
-            self._active[job.rid] = job
+            self._active[job.request_id] = job
         if dstep is None:
             return None
         self._step_features = dstep
@@ -132,7 +132,7 @@ class EmulatedEngine:
         if self.role == "prefill":
             done = self.prefill_node.end_step(now)
             if done is not None:
-                self._done.pop(done.rid).set_result(done)
+                self._done.pop(done.request_id).set_result(done)
             return
         in_batch = list(self._active.values())
         node = self.decode_node
@@ -141,33 +141,33 @@ class EmulatedEngine:
             self._emit(job)
         for job in node.joined:  # deflected jobs whose last chunk just ran: their first token
             self._emit(job)
-            self._active[job.rid] = job
+            self._active[job.request_id] = job
         for job in node.finished:
-            if job.rid not in self._active:  # a deflected job with a single output token
+            if job.request_id not in self._active:  # a deflected job with a single output token
                 self._emit(job)
-            self._active.pop(job.rid, None)
+            self._active.pop(job.request_id, None)
 
     def _emit(self, job: Job) -> None:
-        index = self._emitted.get(job.rid, 0)
-        finished = index + 1 >= job.output
-        timings = self._timings.pop(job.rid, {}) if index == 0 else {}
+        index = self._emitted.get(job.request_id, 0)
+        finished = index + 1 >= job.output_tokens
+        timings = self._timings.pop(job.request_id, {}) if index == 0 else {}
         if index == 0:
             if job.schedule:  # deflected: prefilled here, in chunks
                 timings["prefill_queue_s"] = job.prefill_start_s - job.arrival_s
                 timings["prefill_exec_s"] = job.first_token_s - job.prefill_start_s
             else:
                 timings["decode_queue_s"] = job.first_token_s - job.kv_ready_s
-        stream = self._streams.get(job.rid)
+        stream = self._streams.get(job.request_id)
         if stream is not None:  # None: the client went away; the job still runs its course
-            token = token_id(job.rid, index)
+            token = token_id(job.request_id, index)
             event = TokenEvent(
                 token, index, finished, timings, self.node_id, f" tok{token}", "length" if finished else None
             )
             stream.put_nowait(event)
         if finished:
-            self._emitted.pop(job.rid, None)
+            self._emitted.pop(job.request_id, None)
         else:
-            self._emitted[job.rid] = index + 1
+            self._emitted[job.request_id] = index + 1
 
     # ---- the protocol -----------------------------------------------------------------------
 
@@ -176,15 +176,15 @@ class EmulatedEngine:
             raise RuntimeError(f"{self.node_id} is a {self.role} node")
         wake = self._ensure_loop()
         job = Job(request.request_id, time.monotonic(), request.prompt_tokens, request.max_tokens)
-        self._done[job.rid] = asyncio.get_running_loop().create_future()
+        self._done[job.request_id] = asyncio.get_running_loop().create_future()
         queued_at = job.arrival_s
         self.prefill_node.queue.append(job)
-        self.reporter.accepted.append(job.rid)
+        self.reporter.accepted.append(job.request_id)
         wake.set()
-        await self._done[job.rid]
+        await self._done[job.request_id]
         kv_bytes = max(1, math.ceil(request.prompt_tokens * self.hw.kv_bytes_per_token / self.kv_scale))
         kv = ray.put(np.zeros(kv_bytes, dtype=np.uint8))
-        self._pins.pin(job.rid, kv)
+        self._pins.pin(job.request_id, kv)
         return KVHandoff(
             kv=kv,
             kv_bytes=kv_bytes,
@@ -204,7 +204,7 @@ class EmulatedEngine:
         wake = self._ensure_loop()
         job = Job(request.request_id, time.monotonic(), request.prompt_tokens, request.max_tokens)
         stream: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self._streams[job.rid] = stream
+        self._streams[job.request_id] = stream
         try:
             if handoff is None:
                 if not request.chunk_schedule or sum(request.chunk_schedule) != request.prompt_tokens:
@@ -218,13 +218,13 @@ class EmulatedEngine:
                 payload = await handoff.kv  # through the object store
                 if payload.nbytes != handoff.kv_bytes:
                     raise RuntimeError(f"KV payload of {payload.nbytes} bytes, expected {handoff.kv_bytes}")
-                self._timings[job.rid] = {
+                self._timings[job.request_id] = {
                     "prefill_queue_s": handoff.prefill_queue_s,
                     "prefill_exec_s": handoff.prefill_exec_s,
                     "kv_transfer_s": max(0.0, time.time() - handoff.prefill_end_wall_s),
                 }
                 self.decode_node.transferred(job, time.monotonic())
-            self.reporter.accepted.append(job.rid)
+            self.reporter.accepted.append(job.request_id)
             wake.set()
             while True:
                 event = await stream.get()
@@ -232,7 +232,7 @@ class EmulatedEngine:
                 if event.finished:
                     return
         finally:
-            self._streams.pop(job.rid, None)
+            self._streams.pop(job.request_id, None)
 
     def state(self) -> dict[str, Any]:
         state: dict[str, Any] = {

@@ -14,8 +14,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kairos_ray.config import KairosConfig
+from kairos_ray.serve.autoscaling import ScalingRule
 
 SHIPPED_MODELS = resources.files("kairos_ray") / "models"
+RULE = ScalingRule()
 
 
 class _Strict(BaseModel):
@@ -49,13 +51,19 @@ class PoolAutoscaling(_Strict):
 
     min_replicas: int = Field(1, ge=1)
     max_replicas: int = Field(4, ge=1)
-    wait_share: float = Field(0.5, gt=0, description="prefill: scale out when the mean wait > this share of TTFT SLO")
-    quiet_share: float = Field(0.1, ge=0, description="prefill: scale in when the mean wait < this share")
-    min_tbt_headroom_s: float = Field(0.01, ge=0, description="decode: scale out below this TBT headroom")
-    min_kv_free_share: float = Field(0.1, ge=0, le=1, description="decode: scale out below this free KV share")
-    upscale_after_s: float = Field(5.0, ge=0, description="pressure must hold this long")
-    downscale_after_s: float = Field(30.0, ge=0, description="quiet must hold this long")
-    cooldown_s: float = Field(30.0, ge=0, description="least time between two changes")
+    wait_share: float = Field(
+        RULE.wait_share, gt=0, description="prefill: scale out when the mean wait > this share of TTFT SLO"
+    )
+    quiet_share: float = Field(RULE.quiet_share, ge=0, description="prefill: scale in when the mean wait < this share")
+    min_tbt_headroom_s: float = Field(
+        RULE.min_tbt_headroom_s, ge=0, description="decode: scale out below this TBT headroom"
+    )
+    min_kv_free_share: float = Field(
+        RULE.min_kv_free_share, ge=0, le=1, description="decode: scale out below this free KV share"
+    )
+    upscale_after_s: float = Field(RULE.upscale_after_s, ge=0, description="pressure must hold this long")
+    downscale_after_s: float = Field(RULE.downscale_after_s, ge=0, description="quiet must hold this long")
+    cooldown_s: float = Field(RULE.cooldown_s, ge=0, description="least time between two changes")
     look_back_period_s: float = Field(
         30.0,
         gt=0,

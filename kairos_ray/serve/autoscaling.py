@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger("ray.serve")
@@ -32,24 +33,33 @@ TBT_HEADROOM = "tbt_headroom_s"
 KV_FREE_SHARE = "kv_free_share"
 
 
+@dataclass(frozen=True, slots=True)
+class ScalingRule:
+    """The thresholds and hold times of ``KairosPoolPolicy`` (the defaults of a pool's ``autoscaling`` section)."""
+
+    wait_share: float = 0.5  # prefill: scale out when the mean wait > this share of the TTFT SLO
+    quiet_share: float = 0.1  # prefill: scale in when the mean wait < this share
+    min_tbt_headroom_s: float = 0.01  # decode: scale out below this TBT headroom
+    min_kv_free_share: float = 0.1  # decode: scale out below this free KV share
+    upscale_after_s: float = 5.0  # pressure must hold this long
+    downscale_after_s: float = 30.0  # quiet must hold this long
+    cooldown_s: float = 30.0  # least time between two changes
+
+
 class KairosPoolPolicy:
-    def __init__(
-        self,
-        role: str,
-        ttft_slo_s: float,
-        wait_share: float = 0.5,
-        quiet_share: float = 0.1,
-        min_tbt_headroom_s: float = 0.01,
-        min_kv_free_share: float = 0.1,
-        upscale_after_s: float = 5.0,
-        downscale_after_s: float = 30.0,
-        cooldown_s: float = 30.0,
-    ) -> None:
+    """Serve's custom autoscaling policy for one pool; ``rule`` fields as keyword arguments."""
+
+    def __init__(self, role: str, ttft_slo_s: float, **rule: float) -> None:
         self.role = role
         self.ttft_slo_s = ttft_slo_s
-        self.wait_share, self.quiet_share = wait_share, quiet_share
-        self.min_tbt_headroom_s, self.min_kv_free_share = min_tbt_headroom_s, min_kv_free_share
-        self.upscale_after_s, self.downscale_after_s, self.cooldown_s = upscale_after_s, downscale_after_s, cooldown_s
+        r = ScalingRule(**rule)
+        self.wait_share, self.quiet_share = r.wait_share, r.quiet_share
+        self.min_tbt_headroom_s, self.min_kv_free_share = r.min_tbt_headroom_s, r.min_kv_free_share
+        self.upscale_after_s, self.downscale_after_s, self.cooldown_s = (
+            r.upscale_after_s,
+            r.downscale_after_s,
+            r.cooldown_s,
+        )
 
     def pressure(self, metrics: dict[str, dict[Any, float]]) -> tuple[bool, bool]:
         """(under pressure, quiet) from the replicas' latest signals; neither without signals."""

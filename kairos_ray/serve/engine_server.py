@@ -22,7 +22,7 @@ from ray.serve.handle import DeploymentHandle
 from kairos_ray.config import KairosConfig, resolve_profile
 from kairos_ray.core import PrefillNodeView, StepLatencyModel
 from kairos_ray.core.estimate import queue_wait_exact_s
-from kairos_ray.core.policy import chunk_guard
+from kairos_ray.emulation import ClusterHardware, GroundTruth
 from kairos_ray.engines import EngineRequest, KVHandoff, TokenEvent
 from kairos_ray.engines.emulated import EmulatedEngine
 from kairos_ray.engines.vllm_args import guard_spec
@@ -30,7 +30,6 @@ from kairos_ray.engines.vllm_engine import VllmEngine, bind_cpu_core
 from kairos_ray.serve.args import PoolConfig, ServingConfig
 from kairos_ray.serve.autoscaling import KV_FREE_SHARE, PREFILL_WAIT, TBT_HEADROOM
 from kairos_ray.serve.router import node_view
-from kairos_ray.sim.hardware import ClusterHardware, GroundTruth
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=120)
@@ -47,13 +46,13 @@ class EngineServer:
         self.model = model = StepLatencyModel.load(profile)
         hardware = ClusterHardware.from_profile(profile)
         self.params = params = config.policy_params()
+        policy = config.build_policy(model=model)
 
         self.node_id = f"{role}-{serve.get_replica_context().replica_id.unique_id}"
         self.ray_node_id = ray.get_runtime_context().get_node_id()
         self.router = router
         self._reports: deque[Any] = deque(maxlen=32)
         self.engine: EmulatedEngine | VllmEngine
-        guarded = config.policy.name == "kairos"  # its decode engines re-check each chunk when it runs
         if pool_config.engine == "vllm":
             bind_cpu_core(role, serve.get_replica_context().rank.local_rank)
             self.engine = VllmEngine(
@@ -62,7 +61,7 @@ class EngineServer:
                 pool_config.model_loading_config.source,
                 pool_config.engine_kwargs,
                 predictor=model,
-                guard=guard_spec(model, params.chunk_candidates, params.tbt_budget_s) if guarded else None,
+                guard=guard_spec(model, params.chunk_candidates, params.tbt_budget_s) if policy.guards_chunks else None,
                 kv_timeout_s=opts.kv_timeout_s,
                 report_interval_s=opts.report_interval_s,
                 on_state=self._push,
@@ -78,7 +77,7 @@ class EngineServer:
             model,
             hardware,
             config.prefill_chunk_tokens,
-            guard=chunk_guard(model, params) if guarded else None,
+            guard=policy.chunk_guard(),
             time_scale=opts.time_scale,
             kv_scale=opts.kv_scale,
             seed=opts.seed + zlib.crc32(self.node_id.encode()),

@@ -28,14 +28,12 @@ from ray import serve
 
 from kairos_ray.config import KairosConfig
 from kairos_ray.core import (
-    FEATURE_NAMES,
     ClusterView,
     Decision,
     DecodeNodeView,
     Policy,
     PrefillNodeView,
     apply_decision,
-    make_policy,
 )
 from kairos_ray.serve.metrics import RouterMetrics
 from kairos_ray.serve.refit import OnlineRefit
@@ -112,7 +110,7 @@ class Router:
 
     def __init__(self, kairos: dict[str, Any], refit_every_steps: int = 0) -> None:
         self.config = KairosConfig.model_validate(kairos)
-        self.model = self.config.predictor.load()[1]
+        self.model = self.config.predictor.load()
         self.state = RouterState(self.config.build_policy())
         self.metrics = RouterMetrics()
         self.refit = OnlineRefit(refit_every_steps) if refit_every_steps else None
@@ -143,14 +141,8 @@ class Router:
                 100 * result.current_mape, 100 * result.refit_mape, len(self.refit.samples),
             )  # fmt: skip
             self.model = result.model
-            self.state.policy = make_policy(
-                self.state.policy.spec, self.config.policy_params(), self.model, self.model, self.config.thresholds()
-            )
+            self.state.policy = self.config.build_policy(self.state.policy.spec, model=self.model)
             self.metrics.refits.inc()
-
-    async def current_model(self) -> dict[str, float]:
-        """Coefficients of the step-latency model the router decides with now."""
-        return {name: float(v) for name, v in zip(FEATURE_NAMES, self.model.coefficients, strict=True)}
 
     async def snapshot(self) -> dict[str, Any]:
         """Last state of every live node and the ledger size (for tests and debugging)."""

@@ -18,7 +18,10 @@ bytes / bandwidth`` after the transfers to the same node ahead of it, so
 bursts build transfer queues.
 
 The view a policy sees is the simulator's exact state, but step times come from
-``GroundTruth`` times noise, not from the predictor the policy uses.
+``GroundTruth`` times noise, not from the predictor the policy uses. Decode
+nodes re-check each planned chunk when it runs with the policy's own guard
+(``Policy.chunk_guard``: Eq. 5 at run time, for the TBT-aware policies; the
+static baselines check no TBT, in planning or at run time, as in the paper).
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ from enum import IntEnum
 import numpy as np
 
 from kairos_ray.core import ClusterView, Policy, Route, StepLatency
+from kairos_ray.emulation import ClusterHardware, StepNoise
 from kairos_ray.metrics import RequestRecord
-from kairos_ray.nodes import DecodeNode, Guard, Job, PrefillNode
-from kairos_ray.sim.hardware import ClusterHardware, StepNoise
+from kairos_ray.nodes import DecodeNode, Job, PrefillNode
 from kairos_ray.workloads import Workload
 
 
@@ -68,7 +71,6 @@ class ClusterSim:
         num_decode: int,
         prefill_chunk_tokens: int,
         seed: int = 0,
-        guard: Guard | None = None,
     ) -> None:
         if num_prefill < 1 or num_decode < 1:
             raise ValueError(f"need at least 1 prefill and 1 decode node, got {num_prefill}P{num_decode}D")
@@ -77,7 +79,7 @@ class ClusterSim:
         self.hw = hardware
         self.prefill = [PrefillNode(f"prefill-{i}", prefill_chunk_tokens) for i in range(num_prefill)]
         self.decode = [
-            DecodeNode(f"decode-{i}", hardware.kv_capacity_tokens, hardware.max_batch_size, guard)
+            DecodeNode(f"decode-{i}", hardware.kv_capacity_tokens, hardware.max_batch_size, policy.chunk_guard())
             for i in range(num_decode)
         ]
         self._index = {n.node_id: i for i, n in enumerate(self.prefill)} | {
@@ -102,7 +104,7 @@ class ClusterSim:
     # ---- event handlers -------------------------------------------------------------------
 
     def _arrive(self, job: Job) -> None:
-        decision = self.policy.decide(job.prompt, self.view())
+        decision = self.policy.decide(job.prompt_tokens, self.view())
         job.decision = decision
         if decision.decode_node is None:
             raise RuntimeError("policy named no decode node")
@@ -133,7 +135,7 @@ class ClusterSim:
         done = node.end_step(self.now)
         if done is not None:
             start = max(self.now, self._link_free_s[done.decode_node])
-            self._link_free_s[done.decode_node] = arrival = start + self.hw.transfer_s(done.prompt)
+            self._link_free_s[done.decode_node] = arrival = start + self.hw.transfer_s(done.prompt_tokens)
             self._push(arrival, Kind.KV_ARRIVAL, done)
         self._start_prefill_step(node)
 
@@ -206,10 +208,10 @@ class ClusterSim:
             first_gap = r.join_step if deflected else r.join_step + 1
             records.append(
                 RequestRecord(
-                    request_id=r.rid,
+                    request_id=r.request_id,
                     arrival_s=r.arrival_s,
-                    prompt_tokens=r.prompt,
-                    output_tokens=r.output,
+                    prompt_tokens=r.prompt_tokens,
+                    output_tokens=r.output_tokens,
                     route=decision.route.value,
                     prefill_node=self.prefill[r.prefill_node].node_id if r.prefill_node >= 0 else "",
                     decode_node=self.decode[r.decode_node].node_id,

@@ -8,14 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from kairos_ray.config import KairosConfig, SLOConfig, resolve_profile
-from kairos_ray.core import Policy, StepLatencyModel, make_policy, parse_spec
-from kairos_ray.core.policy import chunk_guard
+from kairos_ray.core import Policy, StepLatencyModel, parse_spec
+from kairos_ray.emulation import ClusterHardware, GroundTruth
 from kairos_ray.metrics import RECORD_COLUMNS, SUMMARY_COLUMNS, RequestRecord, record_rows, summarize, write_csv
 from kairos_ray.sim.cluster import ClusterSim, SimResult
-from kairos_ray.sim.hardware import ClusterHardware, GroundTruth
 from kairos_ray.workloads import Workload
-
-ORACLE = "oracle"
 
 
 @dataclass(frozen=True)
@@ -41,44 +38,27 @@ class SimSetup:
         return cls(config, model, hardware, GroundTruth(model, hardware), num_prefill, num_decode, seed)
 
     def policy(self, spec: str) -> Policy:
-        """A core policy by spec; ``oracle`` is ``kairos`` deciding with the noise-free ground truth."""
-        params, thresholds = self.config.policy_params(), self.config.thresholds()
-        if spec.strip().lower() == ORACLE:
-            policy = make_policy("kairos", params, self.truth, self.truth, thresholds)
-            policy.spec = ORACLE
-            return policy
-        return make_policy(spec, params, self.model, self.model, thresholds)
+        """A core policy by spec, deciding with the predictor (``oracle``: with the noise-free ground truth)."""
+        return self.config.build_policy(spec, model=self.model, truth=self.truth)
 
     def simulate(self, spec: str, workload: Workload, progress: Callable[[int], None] | None = None) -> SimResult:
-        """One run.
-
-        Under the TBT-aware policies (``kairos``, ``oracle``) decode nodes re-check each
-        chunk with the model their policy decides with (Eq. 5 at run time); the static
-        baselines check no TBT, in planning or at run time, as in the paper.
-        """
-        policy = self.policy(spec)
-        params = self.config.policy_params()
-        name = spec.strip().lower()
-        guard = chunk_guard(self.truth if name == ORACLE else self.model, params)
-
+        """One run of the policy ``spec`` names over ``workload``."""
         sim = ClusterSim(
-            policy,
+            self.policy(spec),
             self.truth,
             self.hardware,
             self.num_prefill,
             self.num_decode,
             self.config.prefill_chunk_tokens,
             self.seed,
-            guard if name in (ORACLE, "kairos") else None,
         )
         return sim.run(workload.clipped_to_context(self.hardware.context_tokens), progress)
 
 
 def check_specs(specs: Sequence[str]) -> None:
-    """Raise ``ValueError`` for a spec that is neither ``oracle`` nor a core policy."""
+    """Raise ``ValueError`` for a spec that names no policy."""
     for spec in specs:
-        if spec.strip().lower() != ORACLE:
-            parse_spec(spec)
+        parse_spec(spec)
 
 
 def sweep(

@@ -119,7 +119,7 @@ def test_spec_thresholds_default_from_config():
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("fastest", "unknown policy 'fastest'; known: kairos, pd, sq:<theta>, sl:<tokens>"),
+        ("fastest", "unknown policy 'fastest'; known: kairos, oracle, pd, sq:<theta>, sl:<tokens>"),
         ("sq:x", "threshold 'x' is not an integer"),
         ("sl:0", "threshold must be >= 1, got 0"),
         ("kairos:2", "takes no argument"),

@@ -1,12 +1,13 @@
 """The event loop, the KV link, the decode batcher and the sim/core agreement, on cases small enough to do by hand."""
 
+import itertools
 from dataclasses import replace
 
 import pytest
 
-from kairos_ray.core import ClusterView, Decision, PolicyParams, StepLatencyModel, StepwiseLatency, make_policy
+from kairos_ray.core import ClusterView, Decision, PolicyParams, Route, StepLatencyModel, StepwiseLatency, make_policy
+from kairos_ray.emulation import ClusterHardware
 from kairos_ray.sim.cluster import ClusterSim, Kind
-from kairos_ray.sim.hardware import ClusterHardware
 from kairos_ray.workloads import Request, Workload
 
 
@@ -112,6 +113,10 @@ class Recording:
 
     def __init__(self, policy):
         self.policy, self.spec, self.calls = policy, policy.spec, []
+        self.guards_chunks, self.decides_with_ground_truth = policy.guards_chunks, policy.decides_with_ground_truth
+
+    def chunk_guard(self):
+        return self.policy.chunk_guard()
 
     def decide(self, prompt_tokens: int, view: ClusterView) -> Decision:
         decision = self.policy.decide(prompt_tokens, view)
@@ -119,21 +124,22 @@ class Recording:
         return decision
 
 
-def test_sim_and_a_direct_core_call_decide_alike():
+def test_the_sim_shows_each_decision_the_view_the_routers_ledger_would():
+    """Requests arriving at one instant: each sees the cluster as ``apply_decision`` leaves it after the ones before,
+    on both routes; so the simulator's node bookkeeping and the live router's ledger agree."""
     from kairos_ray.config import KairosConfig
+    from kairos_ray.core import apply_decision
     from kairos_ray.sim.run import SimSetup
-    from kairos_ray.workloads.synthetic import synthetic
 
     setup = SimSetup.from_config(KairosConfig())
     recording = Recording(setup.policy("kairos"))
     sim = ClusterSim(recording, setup.truth, setup.hardware, 2, 2, 2048)
-    sim.run(synthetic("bursty", 6, 300, seed=2))
-    fresh = KairosConfig().build_policy("kairos")
-    routes = set()
-    for prompt, view, decision in recording.calls:
-        assert fresh.decide(prompt, view) == decision
-        routes.add(decision.route)
-    assert len(recording.calls) == 300 and len(routes) == 2
+    burst = [(1.0, prompt, 4) for prompt in (9000, 300, 12000, 700, 5000, 200, 16000, 900)]
+    sim.run(Workload("burst", tuple(Request(*r) for r in burst)))
+    calls = recording.calls
+    assert {decision.route for _, _, decision in calls} == {Route.PREFILL, Route.DEFLECT}
+    for (prompt, view, decision), (_, next_view, _) in itertools.pairwise(calls):
+        assert next_view == apply_decision(view, prompt, decision, output_tokens=4)
 
 
 def test_runs_are_deterministic_per_seed_and_lose_no_request():

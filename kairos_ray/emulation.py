@@ -1,4 +1,8 @@
-"""What the simulator knows about the hardware beyond the predictor: the ground truth and the cluster.
+"""Emulated hardware: the ground-truth step time, the step noise and the cluster limits.
+
+Shared by the simulator (virtual time) and the live emulated engines (wall
+clock), beside the node models of ``kairos_ray.nodes``; the live path imports
+it, never ``kairos_ray.sim``.
 
 The ``cluster`` section of a profile file holds the KV link, KV capacity and
 batch limits, and how the ground-truth step time departs from the linear

@@ -4,7 +4,7 @@ import pytest
 
 from kairos_ray.config import resolve_profile
 from kairos_ray.core import StepLatencyModel
-from kairos_ray.sim.hardware import ClusterHardware, GroundTruth
+from kairos_ray.emulation import ClusterHardware, GroundTruth
 
 SHIPPED = resolve_profile("a100-deepseek-v2-lite")
 
