@@ -72,6 +72,8 @@ class Policy(Protocol):
     """A routing policy: pure, deterministic, never mutates the view."""
 
     spec: str
+    params: PolicyParams
+    decode_model: StepLatency  # the step-latency model it prices decode nodes with (Eq. 4)
     guards_chunks: bool  # decode nodes re-check each planned chunk when it runs (Eq. 5 at run time)
     decides_with_ground_truth: bool  # the caller must pass the emulator's ground truth as the model
 

@@ -1,61 +1,73 @@
-"""Engines behind the prefill and decode pools, all speaking one ``Engine`` protocol.
+"""Engines behind the prefill and decode pools: one ``Engine`` protocol, backends picked by name (``engine:``).
 
-- ``emulated``: the simulator's node model (``kairos_ray.nodes``) in wall-clock
-  time, each step sleeping for the profile's step time; deterministic tokens;
-  KV payloads (scaled down) really travel through the Ray object store.
-- ``vllm``: real vLLM engines (``vllm_engine.VllmEngine``, one ``AsyncLLM``
-  per node), with KV hand-off through the Ray object store or point-to-point
-  gloo/NCCL pairs (``kv_connector``, ``kv_channel``) and per-request chunk
-  schedules (``vllm_scheduler``).
+- ``emulated`` (``engines.emulated``): the simulator's node models
+  (``kairos_ray.nodes``) in wall-clock time, each step sleeping for the
+  emulated hardware's step time (``kairos_ray.emulation``); deterministic
+  tokens; KV payloads (scaled down) really travel through the KV transport.
+- ``vllm`` (``engines.vllm_engine``): a real vLLM ``AsyncLLM`` per node, with
+  KV hand-off through ``kairos_ray.kv`` and per-request chunk schedules
+  (``engines.vllm_scheduler``).
+
+``build_engine(kind, spec)`` builds the backend the registry ``ENGINES``
+names, from a ``NodeSpec`` (what every backend is told about its node).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import importlib
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
+
+from kairos_ray.core import Policy
+from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role, TokenEvent
+
+ENGINES: dict[str, str] = {
+    "emulated": "kairos_ray.engines.emulated:EmulatedEngine",
+    "vllm": "kairos_ray.engines.vllm_engine:VllmEngine",
+}
+"""Registry: backend name (a pool's ``engine:``) -> ``module:class`` implementing ``Engine``, imported on use."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """The serving knobs engines use (from the app's ``serving`` section)."""
+
+    report_interval_s: float = 0.02  # push state to the router at most this often (plus a heartbeat when idle)
+    kv_timeout_s: float = 30.0  # decode: past this wait for a hand-off's KV, recompute the prompt
+    kv_channel: Literal["gloo", "nccl"] | None = None  # vLLM: gloo/NCCL pairs for hand-offs to a named decode node
+    kv_hold_blocks: bool = False  # vLLM prefill: keep a hand-off's KV blocks until the decode node has them
+    time_scale: float = 1.0  # emulated: wall seconds per emulated second
+    kv_scale: int = 1000  # emulated: KV payload bytes divided by this
+    seed: int = 0  # emulated: step-noise seed (per node: plus a hash of its id)
 
 
 @dataclass(frozen=True)
-class EngineRequest:
-    request_id: int
-    prompt_tokens: int
-    max_tokens: int
-    arrival_wall_s: float  # time.time() when the ingress accepted it
-    chunk_schedule: tuple[int, ...] = ()  # set for a deflected request: prefill in these chunks, in place
-    prompt_token_ids: tuple[int, ...] = ()  # the prompt, tokenized by the ingress (vLLM engines need it)
-    sampling: dict[str, Any] = field(default_factory=dict)  # vLLM SamplingParams fields (temperature, ...)
-    kv_receiver: str = ""  # disaggregated: the decode node chosen to continue it (a KV channel sends there)
+class NodeSpec:
+    """What an engine server tells its engine, whatever the backend."""
 
-
-@dataclass(frozen=True)
-class KVHandoff:
-    """What a prefill node hands to a decode node for a disaggregated request."""
-
-    kv: Any  # ray.ObjectRef of the KV payload (object store), a kv_channel.ChannelTicket, or a connector's params
-    kv_bytes: int
-    node_id: str  # the prefill node that built it
-    prefill_queue_s: float
-    prefill_exec_s: float
-    prefill_end_wall_s: float  # time.time() when the prompt's last chunk finished
-    transport: str = "object_store"  # how the KV travels: object_store, gloo or nccl (a channel), a connector's name
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    token_id: int
-    index: int  # 0 for the first token
-    finished: bool
-    timings: dict[str, float] = field(default_factory=dict)  # TTFT breakdown, on the first token only
-    node_id: str = ""  # the decode node that streams it
-    text: str = ""  # the text this token adds
-    finish_reason: str | None = None  # on the last token: "length" or "stop"
+    node_id: str  # "<role>-<replica unique id>"
+    role: Role
+    policy: Policy  # the app's policy: its decode model predicts steps, its chunk guard checks chunks when they run
+    profile: str  # the step-latency profile file (the predictor; the emulated hardware too)
+    prefill_chunk_tokens: int  # chi_p, the prefill nodes' chunk size
+    options: EngineOptions = EngineOptions()
+    model_source: str = ""  # vLLM: where the weights are
+    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)  # vLLM: engine arguments, as-is
+    local_rank: int = 0  # this replica's rank among the pool's replicas on its host
+    ray_node_id: str = ""  # the Ray node (host) of the replica
+    on_state: Callable[[NodeState], None] | None = None  # where state reports go (the router)
 
 
 class Engine(Protocol):
     """One prefill or decode node."""
 
     node_id: str
+    role: Role
+
+    async def start(self) -> None:
+        """Bring the engine up (seconds to minutes for vLLM) and start its reports; call from the event loop."""
+        ...
 
     async def prefill(self, request: EngineRequest) -> KVHandoff:
         """Prefill the whole prompt and hand its KV over (prefill nodes)."""
@@ -65,9 +77,23 @@ class Engine(Protocol):
         """Stream the request's tokens (decode nodes): from ``handoff``'s KV, or deflected per its chunk schedule."""
         ...
 
-    def state(self) -> dict[str, Any]:
-        """What the router needs of this node now (see ``kairos_ray.serve.router``).
-
-        Reports to the router add ``accepted``: the requests taken since the last report.
-        """
+    def release(self, request_id: int) -> None:
+        """The decode node has the KV of ``request_id`` (or recomputes it): stop holding it (prefill nodes)."""
         ...
+
+    def state(self) -> NodeState:
+        """What the router needs of this node now."""
+        ...
+
+    async def shutdown(self) -> None:
+        """Stop stepping and give back what the engine holds; idempotent."""
+        ...
+
+
+def build_engine(kind: str, spec: NodeSpec) -> Engine:
+    """The ``kind`` backend's engine for ``spec`` (not started)."""
+    if kind not in ENGINES:
+        raise ValueError(f"unknown engine {kind!r}; known: {', '.join(ENGINES)}")
+    module, _, name = ENGINES[kind].partition(":")
+    engine: Engine = getattr(importlib.import_module(module), name).from_spec(spec)
+    return engine

@@ -1,16 +1,21 @@
 """An engine that runs the simulator's node model in wall-clock time.
 
 Each step asks the node model (``kairos_ray.nodes``) what to compute, sleeps
-for what the profile's ground truth says an A100 would take (times noise,
-times ``time_scale``), then applies the step and streams the tokens it made.
-Tokens are deterministic (a function of the request id and the position).
-A prefill node's KV payload is a byte array of ``prompt_tokens *
-kv_bytes_per_token / kv_scale`` bytes put into the Ray object store; the
-decode node fetches it before the request may join its batch, so the
-transport is real even though the numbers are not.
+for what the emulated hardware's ground truth (``kairos_ray.emulation``)
+says an A100 would take (times noise, times ``time_scale``), then applies the
+step and streams the tokens it made. Tokens are deterministic (a function of
+the request id and the position). A prefill node's KV payload is ``prompt
+tokens * kv_bytes_per_token / kv_scale`` bytes handed over by the KV
+transport (``kairos_ray.kv``, the Ray object store); the decode node receives
+it before the request may join its batch, so the transport is real even
+though the numbers are not. If the KV is lost, the decode node recomputes
+the prompt in place, in ``prefill_chunk_tokens`` chunks.
 
 Every step (at most every ``report_interval_s``) and on a heartbeat, the
-engine calls ``on_state`` with its state for the router.
+engine reports its state to the router.
+
+What the emulated engine ignores of a request: its prompt's token ids and
+every sampling parameter; it emits exactly ``max_tokens`` tokens.
 """
 
 from __future__ import annotations
@@ -19,19 +24,20 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+import zlib
+from collections.abc import AsyncIterator
+from typing import Self
 
-import numpy as np
-import ray
-
-from kairos_ray.core import Guard, StepLatency
-from kairos_ray.emulation import ClusterHardware, StepNoise
-from kairos_ray.engines import EngineRequest, KVHandoff, TokenEvent
-from kairos_ray.engines.node_state import KVPins, StateReporter
+from kairos_ray.core import Guard, StepLatency, StepLatencyModel
+from kairos_ray.emulation import ClusterHardware, GroundTruth, StepNoise
+from kairos_ray.engines import NodeSpec
+from kairos_ray.engines.reporting import StateReporter
+from kairos_ray.kv import KVLost, KVTransport, build_transport
+from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role, TokenEvent, TTFTBreakdown
 from kairos_ray.nodes import DecodeNode, Job, PrefillNode
 
 VOCAB = 1000
+HEARTBEAT_S = 1.0
 
 
 def token_id(request_id: int, index: int) -> int:
@@ -45,91 +51,111 @@ class EmulatedEngine:
     def __init__(
         self,
         node_id: str,
-        role: str,
+        role: Role,
         truth: StepLatency,
         predictor: StepLatency,
         hardware: ClusterHardware,
         prefill_chunk_tokens: int,
+        reporter: StateReporter,
+        transport: KVTransport,
         guard: Guard | None = None,
         time_scale: float = 1.0,
         kv_scale: int = 1000,
         seed: int = 0,
-        report_interval_s: float = 0.02,
-        on_state: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
-        if role not in ("prefill", "decode"):
-            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
-        self.node_id, self.role = node_id, role
+        self.node_id, self.role = node_id, Role(role)
         self.truth, self.predictor, self.hw = truth, predictor, hardware
         self.time_scale, self.kv_scale = time_scale, kv_scale
-        self.reporter = StateReporter(self.state, on_state, report_interval_s)
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.reporter = reporter
+        reporter.snapshot = self.state
+        self.kv = transport
         self.prefill_node = PrefillNode(node_id, prefill_chunk_tokens)
         self.decode_node = DecodeNode(
             node_id, hardware.kv_capacity_tokens, hardware.max_batch_size, guard, record_durations=False
         )
+        self.kv_recomputes = 0  # hand-offs whose KV was lost: recomputed here
         self._noise = StepNoise(seed, hardware.noise_cv)
-        self._done: dict[int, asyncio.Future[Job]] = {}  # prefill: rid -> future resolved when prefilled
-        self._streams: dict[int, asyncio.Queue[TokenEvent]] = {}  # decode: rid -> its tokens
-        self._emitted: dict[int, int] = {}  # decode: rid -> tokens emitted so far
+        self._done: dict[int, asyncio.Future[Job]] = {}  # prefill: request id -> resolved when prefilled
+        self._streams: dict[int, asyncio.Queue[TokenEvent]] = {}  # decode: request id -> its tokens
+        self._emitted: dict[int, int] = {}  # decode: request id -> tokens emitted so far
         self._active: dict[int, Job] = {}  # decode: jobs in the batch
-        self._timings: dict[int, dict[str, float]] = {}
-        self._wake: asyncio.Event | None = None
+        self._breakdowns: dict[int, TTFTBreakdown] = {}  # decode, disaggregated: what the prefill node timed
+        self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._pins = KVPins()  # prefill: KV payloads handed off, until the decode node has them
-        self._last_step_s = 0.0
-        self._predicted_step_s = 0.0
-        self._step_features: tuple[int, int, int] | None = None  # (B, K, chi) of the last step
+        self._step: tuple[int, int, int] = (0, 0, 0)  # (B, K, chi) of the step in flight
+
+    @classmethod
+    def from_spec(cls, spec: NodeSpec) -> Self:
+        model = StepLatencyModel.load(spec.profile)
+        hardware = ClusterHardware.from_profile(spec.profile)
+        options = spec.options
+        return cls(
+            spec.node_id,
+            spec.role,
+            GroundTruth(model, hardware),
+            model,
+            hardware,
+            spec.prefill_chunk_tokens,
+            StateReporter(spec.ray_node_id, model, spec.on_state, options.report_interval_s),
+            build_transport(spec.node_id, "", options.kv_timeout_s),
+            guard=spec.policy.chunk_guard(),
+            time_scale=options.time_scale,
+            kv_scale=options.kv_scale,
+            seed=options.seed + zlib.crc32(spec.node_id.encode()),
+        )
+
+    # ---- life cycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self.kv.close()
 
     # ---- the step loop ----------------------------------------------------------------
 
-    def start(self) -> None:
-        """Start the step loop (and its heartbeat reports); call from the event loop."""
-        self._ensure_loop()
-
-    def _ensure_loop(self) -> asyncio.Event:
-        if self._wake is None:
-            self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._loop())
-        return self._wake
-
     async def _loop(self) -> None:
-        assert self._wake is not None
         while True:
             step_s = self._begin()
             if step_s is None:
                 self.reporter.report(force=True)
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)  # heartbeat
+                    await asyncio.wait_for(self._wake.wait(), timeout=HEARTBEAT_S)
                 continue
             start = time.monotonic()
             await asyncio.sleep(step_s * self.time_scale)
-            self._last_step_s = (time.monotonic() - start) / self.time_scale
+            self.reporter.stepped(*self._step, (time.monotonic() - start) / self.time_scale)
             self._end(step_s)
             self.reporter.report()
 
     def _begin(self) -> float | None:
         """Start the next step; its emulated duration, or None when idle."""
         now = time.monotonic()
-        if self.role == "prefill":
+        if self.role is Role.PREFILL:
             step = self.prefill_node.begin_step(now)
             if step is None:
                 return None
-            self._step_features = (0, *step)
-            self._predicted_step_s = self.predictor.step_s(0, *step)
-            return self.truth.step_s(0, *step) * self._noise.next()
-        dstep = self.decode_node.begin_step(now)
-        for job in self.decode_node.joined:
-            self._active[job.request_id] = job
-        if dstep is None:
-            return None
-        self._step_features = dstep
-        self._predicted_step_s = self.predictor.step_s(*dstep)
-        return self.truth.step_s(*dstep) * self._noise.next()
+            self._step = (0, *step)
+        else:
+            dstep = self.decode_node.begin_step(now)
+            for job in self.decode_node.joined:
+                self._active[job.request_id] = job
+            if dstep is None:
+                return None
+            self._step = dstep
+        return self.truth.step_s(*self._step) * self._noise.next()
 
     def _end(self, step_s: float) -> None:
         now = time.monotonic()
-        if self.role == "prefill":
+        if self.role is Role.PREFILL:
             done = self.prefill_node.end_step(now)
             if done is not None:
                 self._done.pop(done.request_id).set_result(done)
@@ -148,60 +174,74 @@ class EmulatedEngine:
             self._active.pop(job.request_id, None)
 
     def _emit(self, job: Job) -> None:
-        index = self._emitted.get(job.request_id, 0)
+        rid = job.request_id
+        index = self._emitted.get(rid, 0)
         finished = index + 1 >= job.output_tokens
-        timings = self._timings.pop(job.request_id, {}) if index == 0 else {}
+        breakdown = None
         if index == 0:
-            if job.schedule:  # deflected: prefilled here, in chunks
-                timings["prefill_queue_s"] = job.prefill_start_s - job.arrival_s
-                timings["prefill_exec_s"] = job.first_token_s - job.prefill_start_s
+            if job.schedule:  # prefilled here, in chunks
+                earlier = self._breakdowns.pop(rid, TTFTBreakdown())
+                breakdown = TTFTBreakdown(
+                    prefill_queue_s=earlier.prefill_queue_s + job.prefill_start_s - job.arrival_s,
+                    prefill_exec_s=earlier.prefill_exec_s + job.first_token_s - job.prefill_start_s,
+                    kv_transfer_s=earlier.kv_transfer_s,
+                )
             else:
-                timings["decode_queue_s"] = job.first_token_s - job.kv_ready_s
-        stream = self._streams.get(job.request_id)
+                earlier = self._breakdowns.pop(rid)
+                breakdown = TTFTBreakdown(
+                    earlier.prefill_queue_s,
+                    earlier.prefill_exec_s,
+                    earlier.kv_transfer_s,
+                    decode_queue_s=job.first_token_s - job.kv_ready_s,
+                )
+        stream = self._streams.get(rid)
         if stream is not None:  # None: the client went away; the job still runs its course
-            token = token_id(job.request_id, index)
-            event = TokenEvent(
-                token, index, finished, timings, self.node_id, f" tok{token}", "length" if finished else None
-            )
-            stream.put_nowait(event)
+            token = token_id(rid, index)
+            reason = "length" if finished else None
+            stream.put_nowait(TokenEvent(token, index, finished, self.node_id, f" tok{token}", reason, breakdown))
         if finished:
-            self._emitted.pop(job.request_id, None)
+            self._emitted.pop(rid, None)
         else:
-            self._emitted[job.request_id] = index + 1
+            self._emitted[rid] = index + 1
 
     # ---- the protocol -----------------------------------------------------------------------
 
     async def prefill(self, request: EngineRequest) -> KVHandoff:
-        if self.role != "prefill":
+        if self.role is not Role.PREFILL:
             raise RuntimeError(f"{self.node_id} is a {self.role} node")
-        wake = self._ensure_loop()
         job = Job(request.request_id, time.monotonic(), request.prompt_tokens, request.max_tokens)
-        self._done[job.request_id] = asyncio.get_running_loop().create_future()
-        queued_at = job.arrival_s
+        done = self._done[job.request_id] = asyncio.get_running_loop().create_future()
         self.prefill_node.queue.append(job)
-        self.reporter.accepted.append(job.request_id)
-        wake.set()
-        await self._done[job.request_id]
+        self.reporter.accepted(job.request_id)
+        self._wake.set()
+        await done
         kv_bytes = max(1, math.ceil(request.prompt_tokens * self.hw.kv_bytes_per_token / self.kv_scale))
-        kv = ray.put(np.zeros(kv_bytes, dtype=np.uint8))
-        self._pins.pin(job.request_id, kv)
+        kv, transport = await self.kv.hand_off(job.request_id, {0: bytes(kv_bytes)}, request.kv_receiver)
         return KVHandoff(
             kv=kv,
             kv_bytes=kv_bytes,
             node_id=self.node_id,
-            prefill_queue_s=job.prefill_start_s - queued_at,
+            prefill_queue_s=job.prefill_start_s - job.arrival_s,
             prefill_exec_s=job.prefill_end_s - job.prefill_start_s,
             prefill_end_wall_s=time.time(),
+            transport=transport,
         )
 
     def release(self, request_id: int) -> None:
-        """The decode node has the KV of ``request_id``: free it here."""
-        self._pins.release(request_id)
+        self.kv.release(request_id)
+
+    async def _received(self, handoff: KVHandoff) -> bool:
+        """Whether the hand-off's KV arrived whole (else the prompt is recomputed here)."""
+        try:
+            payload = await self.kv.receive(handoff.kv)
+        except KVLost:
+            self.kv_recomputes += 1
+            return False
+        return sum(len(b) for b in payload.values()) == handoff.kv_bytes
 
     async def generate(self, request: EngineRequest, handoff: KVHandoff | None) -> AsyncIterator[TokenEvent]:
-        if self.role != "decode":
+        if self.role is not Role.DECODE:
             raise RuntimeError(f"{self.node_id} is a {self.role} node")
-        wake = self._ensure_loop()
         job = Job(request.request_id, time.monotonic(), request.prompt_tokens, request.max_tokens)
         stream: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._streams[job.request_id] = stream
@@ -215,17 +255,20 @@ class EmulatedEngine:
                 job.schedule = request.chunk_schedule
                 self.decode_node.deflect(job)
             else:
-                payload = await handoff.kv  # through the object store
-                if payload.nbytes != handoff.kv_bytes:
-                    raise RuntimeError(f"KV payload of {payload.nbytes} bytes, expected {handoff.kv_bytes}")
-                self._timings[job.request_id] = {
-                    "prefill_queue_s": handoff.prefill_queue_s,
-                    "prefill_exec_s": handoff.prefill_exec_s,
-                    "kv_transfer_s": max(0.0, time.time() - handoff.prefill_end_wall_s),
-                }
-                self.decode_node.transferred(job, time.monotonic())
-            self.reporter.accepted.append(job.request_id)
-            wake.set()
+                received = await self._received(handoff)
+                self._breakdowns[job.request_id] = TTFTBreakdown(
+                    handoff.prefill_queue_s,
+                    handoff.prefill_exec_s,
+                    kv_transfer_s=max(0.0, time.time() - handoff.prefill_end_wall_s),
+                )
+                if received:
+                    self.decode_node.transferred(job, time.monotonic())
+                else:  # recompute the prompt in place
+                    full, rest = divmod(request.prompt_tokens, self.prefill_chunk_tokens)
+                    job.schedule = (self.prefill_chunk_tokens,) * full + ((rest,) if rest else ())
+                    self.decode_node.deflect(job)
+            self.reporter.accepted(job.request_id)
+            self._wake.set()
             while True:
                 event = await stream.get()
                 yield event
@@ -234,29 +277,14 @@ class EmulatedEngine:
         finally:
             self._streams.pop(job.request_id, None)
 
-    def state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {
-            "node_id": self.node_id,
-            "role": self.role,
-            "wall_s": time.time(),
-            "measured_step_s": self._last_step_s,
-            "predicted_step_s": self._predicted_step_s,
-            "step_features": self._step_features,
-        }
-        if self.role == "prefill":
-            view = self.prefill_node.view()
-            state.update(
-                queued=list(view.queued_prompt_tokens),
-                head_prefilled=view.head_prefilled_tokens,
-                pinned_kv=len(self._pins),
-            )
-        else:
-            dview = self.decode_node.view()
-            state.update(
-                batch_size=dview.batch_size,
-                kv_tokens=dview.kv_tokens,
-                free_kv_tokens=dview.free_kv_tokens,
-                committed=[list(c) for c in dview.committed],
-                waiting=len(self.decode_node.waiting),
-            )
-        return state
+    def state(self) -> NodeState:
+        if self.role is Role.PREFILL:
+            return self.reporter.state(self.prefill_node.view(), pinned_kv=self.kv.held)
+        view = self.decode_node.view()
+        capacity = self.hw.kv_capacity_tokens
+        return self.reporter.state(
+            view,
+            num_waiting=len(self.decode_node.waiting),
+            kv_recomputes=self.kv_recomputes,
+            kv_usage=(capacity - view.free_kv_tokens) / capacity,
+        )

@@ -36,7 +36,7 @@ def _pool(
         "name": role,
         "ray_actor_options": {"num_cpus": 0, **pool.deployment_config.ray_actor_options},
         "max_ongoing_requests": pool.deployment_config.max_ongoing_requests,
-        "request_router_config": {"request_router_class": "kairos_ray.serve.routing:NodeRouter"},
+        "request_router_config": {"request_router_class": "kairos_ray.serve.delivery:ChosenNodeRouter"},
     }
     if pool.accelerator_type:
         options["ray_actor_options"]["accelerator_type"] = pool.accelerator_type

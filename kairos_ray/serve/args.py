@@ -11,13 +11,16 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kairos_ray.config import KairosConfig
+from kairos_ray.core import parse_spec
+from kairos_ray.engines import ENGINES, EngineOptions
 from kairos_ray.serve.autoscaling import ScalingRule
 
 SHIPPED_MODELS = resources.files("kairos_ray") / "models"
 RULE = ScalingRule()
+ENGINE = EngineOptions()
 
 
 class _Strict(BaseModel):
@@ -84,11 +87,18 @@ class PoolConfig(_Strict):
     """One pool (prefill or decode): LLMConfig-like."""
 
     model_loading_config: ModelLoadingConfig
-    engine: Literal["emulated", "vllm"] = Field("emulated", description="engine backend of every node")
+    engine: str = Field("emulated", description=f"engine backend of every node: {', '.join(ENGINES)}")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to vLLM as-is")
     deployment_config: DeploymentConfig = DeploymentConfig()
     accelerator_type: str | None = None
     autoscaling: PoolAutoscaling | None = Field(None, description="absent: a fixed num_replicas nodes")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        if value not in ENGINES:
+            raise ValueError(f"unknown engine; known: {', '.join(ENGINES)}")
+        return value
 
     @model_validator(mode="after")
     def _initial_within_bounds(self) -> PoolConfig:
@@ -108,26 +118,42 @@ class ServingConfig(_Strict):
     retry_after_s: int = Field(1, ge=1)
     context_tokens: int = Field(32_768, ge=2, description="prompt + max_tokens must fit")
     decision_timeout_s: float = Field(1.0, gt=0, description="past it, plain disaggregation (counted)")
-    report_interval_s: float = Field(0.02, gt=0, description="engines push state at most this often")
-    time_scale: float = Field(1.0, gt=0, description="emulated engines: wall seconds per emulated second")
-    kv_scale: int = Field(1000, ge=1, description="emulated engines: KV payload bytes divided by this")
+    report_interval_s: float = Field(
+        ENGINE.report_interval_s, gt=0, description="engines push state at most this often"
+    )
+    time_scale: float = Field(ENGINE.time_scale, gt=0, description="emulated engines: wall seconds per emulated second")
+    kv_scale: int = Field(ENGINE.kv_scale, ge=1, description="emulated engines: KV payload bytes divided by this")
     kv_timeout_s: float = Field(
-        30.0, gt=0, description="vLLM decode nodes: past this wait for a hand-off's KV, recompute the prompt"
+        ENGINE.kv_timeout_s,
+        gt=0,
+        description="decode nodes: past this wait for a hand-off's KV, recompute the prompt",
     )
     kv_channel: Literal["gloo", "nccl"] | None = Field(
-        None,
+        ENGINE.kv_channel,
         description="vLLM engines: send hand-off KV straight to the decode node over point-to-point gloo "
         "(CPU) or NCCL (GPU) pairs instead of the Ray object store",
     )
     kv_hold_blocks: bool = Field(
-        False,
+        ENGINE.kv_hold_blocks,
         description="vLLM prefill nodes keep a hand-off's KV blocks until the decode node has the KV "
         "(default: free them once the staged host copy is whole)",
     )
     refit_every_steps: int = Field(
         0, ge=0, description="router refits the step-latency model every N reported steps (0: never)"
     )
-    seed: int = 0
+    seed: int = Field(ENGINE.seed, description="emulated engines: step-noise seed")
+
+    def engine_options(self) -> EngineOptions:
+        """What the engines use of this section."""
+        return EngineOptions(
+            report_interval_s=self.report_interval_s,
+            kv_timeout_s=self.kv_timeout_s,
+            kv_channel=self.kv_channel,
+            kv_hold_blocks=self.kv_hold_blocks,
+            time_scale=self.time_scale,
+            kv_scale=self.kv_scale,
+            seed=self.seed,
+        )
 
 
 class AppArgs(_Strict):
@@ -140,6 +166,11 @@ class AppArgs(_Strict):
     def _pools_match(self) -> AppArgs:
         """A decode node continues what a prefill node started: same engine, same model."""
         prefill, decode = self.prefill_config, self.decode_config
+        if parse_spec(self.kairos.policy.name)[0].decides_with_ground_truth:
+            raise ValueError(
+                f"kairos.policy.name {self.kairos.policy.name!r} decides with the emulator's ground truth: "
+                "the simulator only"
+            )
         if prefill.engine != decode.engine:
             raise ValueError(
                 f"prefill_config.engine ({prefill.engine}) and decode_config.engine ({decode.engine}) differ"

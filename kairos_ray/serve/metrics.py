@@ -13,18 +13,17 @@
 | kairos_node_kv_tokens | gauge | node | resident KV tokens on a decode node |
 | kairos_step_seconds | gauge | node, source | last step time: measured, or predicted by the step-latency model |
 | kairos_rejected | counter | reason | requests refused (overload, bad-request) |
-| kairos_kv_recomputes | gauge | node | vLLM decode node: hand-offs whose KV was lost or late, recomputed (cumulative) |
+| kairos_kv_recomputes | gauge | node | decode node: hand-offs whose KV was lost or late, recomputed (cumulative) |
 | kairos_predictor_mape | gauge | | live error of the step-latency model on recent reported steps (online refit on) |
 | kairos_predictor_refits | counter | | refits the router adopted |
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from kairos_ray.core import Decision, Route
+from kairos_ray.core import Decision, PrefillNodeView, Route
+from kairos_ray.messages import NodeState
 
 LATENCY_BOUNDARIES = [1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05]
 SECONDS_BOUNDARIES = [0.01, 0.02, 0.05, 0.07, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
@@ -63,19 +62,20 @@ class RouterMetrics:
     def prediction_error(self, mape: float) -> None:
         self.mape.set(mape)
 
-    def node(self, state: dict[str, Any]) -> None:
-        node = state["node_id"]
-        if state["role"] == "prefill":
-            self.queue.set(len(state["queued"]), tags={"node": node})
+    def node(self, state: NodeState) -> None:
+        tags = {"node": state.node_id}
+        view = state.view
+        if isinstance(view, PrefillNodeView):
+            self.queue.set(view.num_queued, tags=tags)
         else:
-            self.queue.set(state["waiting"] + len(state["committed"]), tags={"node": node})
-            self.batch.set(state["batch_size"], tags={"node": node})
-            self.kv.set(state["kv_tokens"], tags={"node": node})
-            if "kv_recomputes" in state:  # vLLM engines
-                self.recomputes.set(state["kv_recomputes"], tags={"node": node})
-        if state["measured_step_s"]:
-            self.step.set(state["measured_step_s"], tags={"node": node, "source": "measured"})
-            self.step.set(state["predicted_step_s"], tags={"node": node, "source": "predicted"})
+            self.queue.set(state.num_waiting + len(view.committed), tags=tags)
+            self.batch.set(view.batch_size, tags=tags)
+            self.kv.set(view.kv_tokens, tags=tags)
+            self.recomputes.set(state.kv_recomputes, tags=tags)
+        step = state.last_step
+        if step is not None:
+            self.step.set(step.measured_s, tags={**tags, "source": "measured"})
+            self.step.set(step.predicted_s, tags={**tags, "source": "predicted"})
 
 
 class IngressMetrics:

@@ -12,12 +12,13 @@ the window better than the model in use.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from kairos_ray.core import StepLatencyModel
+from kairos_ray.messages import StepRecord
 from kairos_ray.profiling.fit import ProfileTable, fit
 
 
@@ -36,13 +37,14 @@ class OnlineRefit:
         self.samples: deque[tuple[float, float, float, float]] = deque(maxlen=window)
         self.since_refit = 0
 
-    def add(self, state: dict[str, Any]) -> None:
-        """Keep the step an engine report describes (``step_features`` and ``measured_step_s``)."""
-        features, measured = state.get("step_features"), state.get("measured_step_s")
-        if features and measured and measured > 0:
-            batch_size, kv_tokens, chunk_tokens = features
-            self.samples.append((float(batch_size), float(kv_tokens), float(chunk_tokens), float(measured)))
-            self.since_refit += 1
+    def add(self, steps: Iterable[StepRecord]) -> None:
+        """Keep the steps an engine reported (Eq. 4's features and the measured time)."""
+        for step in steps:
+            if step.measured_s > 0:
+                self.samples.append(
+                    (float(step.batch_size), float(step.kv_tokens), float(step.chunk_tokens), step.measured_s)
+                )
+                self.since_refit += 1
 
     @property
     def due(self) -> bool:

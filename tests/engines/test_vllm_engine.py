@@ -14,17 +14,20 @@ import time
 import pytest
 import ray
 
-from kairos_ray.engines import EngineRequest, KVHandoff
-from kairos_ray.engines.kv_channel import ChannelTicket, KVChannel
+from kairos_ray.config import KairosConfig
+from kairos_ray.engines.reporting import StateReporter
 from kairos_ray.engines.vllm_engine import VllmEngine
+from kairos_ray.kv.channel import ChannelTicket, KVChannel
+from kairos_ray.messages import EngineRequest, KVHandoff, Role
 from tests.engines.tiny import GREEDY, PROMPTS, TINY_KWARGS, node_pair
 
 OUTPUT = 16
 KV_TIMEOUT_S = 5.0
+MODEL = KairosConfig.model_validate({"predictor": {"profile": "cpu-tiny-llama"}}).predictor.load()
 
 
 def request(rid: int, prompt: list[int], schedule: tuple[int, ...] = (), receiver: str = "") -> EngineRequest:
-    return EngineRequest(rid, len(prompt), OUTPUT, time.time(), schedule, tuple(prompt), dict(GREEDY), receiver)
+    return EngineRequest(rid, len(prompt), OUTPUT, time.time(), schedule, tuple(prompt), GREEDY, receiver)
 
 
 @ray.remote(num_cpus=0)
@@ -60,8 +63,7 @@ def nodes(tmp_path_factory):
         staging = str(tmp_path_factory.mktemp(role))
         return {}, {
             "kv_timeout_s": KV_TIMEOUT_S,
-            "report_interval_s": 0.0,
-            "on_state": states[role].append,
+            "reporter": StateReporter("", MODEL, states[role].append, interval_s=0.0),  # a report per step
             "staging_dir": staging,
             "kv_channel": "gloo",
             "hold_blocks": role == "prefill",  # the prefill node keeps its blocks until the KV is taken
@@ -101,10 +103,10 @@ def test_disaggregated_requests_over_the_object_store_match_a_plain_run(nodes, r
         req = request(100 + i, prompt)  # no decode node named: the object store
         handoff = run(prefill.prefill(req))
         assert isinstance(handoff.kv, ray.ObjectRef) and handoff.kv_bytes > 0
-        assert prefill.state()["pinned_kv"] == 1  # held for the decode node
+        assert prefill.state().pinned_kv == 1  # held for the decode node
         assert run(tokens(decode, req, handoff)) == reference[i]
         prefill.release(req.request_id)
-        assert prefill.state()["pinned_kv"] == 0
+        assert prefill.state().pinned_kv == 0
     assert decode.kv_recomputes == 0
 
 
@@ -114,10 +116,10 @@ def test_disaggregated_requests_over_the_gloo_channel_match_a_plain_run(nodes, r
         req = request(150 + i, prompt, receiver=decode.node_id)
         handoff = run(prefill.prefill(req))
         assert isinstance(handoff.kv, ChannelTicket) and handoff.kv.receiver == decode.node_id
-        assert prefill.state()["pinned_kv"] == 1  # the send waits for the decode node
+        assert prefill.state().pinned_kv == 1  # the send waits for the decode node
         assert run(tokens(decode, req, handoff)) == reference[i]
-        run(_until(lambda: prefill.state()["pinned_kv"] == 0))  # taken: nothing held any more
-    assert decode.kv_recomputes == 0 and len(decode.channel) == 1  # one pair, reused
+        run(_until(lambda: prefill.state().pinned_kv == 0))  # taken: nothing held any more
+    assert decode.kv_recomputes == 0 and len(decode.kv.channel) == 1  # one pair, reused
 
 
 async def _until(condition, timeout_s: float = 60.0) -> None:
@@ -133,15 +135,15 @@ def test_the_prefill_node_holds_the_blocks_until_the_decode_node_has_the_kv(node
     handoff = run(prefill.prefill(req))
     steps = len(states["prefill"])
     run(_until(lambda: len(states["prefill"]) > steps + 5))  # the engine steps on while it holds the blocks
-    assert prefill.state()["kv_usage"] > 0
+    assert prefill.state().kv_usage > 0
     assert run(tokens(decode, req, handoff)) == reference[2]
     prefill.release(req.request_id)
-    run(_until(lambda: prefill.state()["kv_usage"] == 0))
+    run(_until(lambda: prefill.state().kv_usage == 0))
     req = request(501, PROMPTS[2], receiver=decode.node_id)  # over the channel: taken when received
     handoff = run(prefill.prefill(req))
-    assert prefill.state()["kv_usage"] > 0
+    assert prefill.state().kv_usage > 0
     assert run(tokens(decode, req, handoff)) == reference[2]
-    run(_until(lambda: prefill.state()["kv_usage"] == 0))
+    run(_until(lambda: prefill.state().kv_usage == 0))
 
 
 def test_kv_from_a_channel_sender_that_died_is_recomputed(nodes, reference):
@@ -151,7 +153,7 @@ def test_kv_from_a_channel_sender_that_died_is_recomputed(nodes, reference):
     sender = GoneSender.remote()
     ticket = ray.get(sender.ticket.remote(decode.node_id, req.request_id))
     ray.kill(sender)
-    handoff = KVHandoff(ticket, 1, "prefill-gone", 0.0, 0.0, time.time())
+    handoff = KVHandoff(ticket, 1, "prefill-gone", 0.0, 0.0, time.time(), "gloo")
     assert run(tokens(decode, req, handoff)) == reference[1]
     assert decode.kv_recomputes == before + 1
 
@@ -206,15 +208,35 @@ def test_a_late_transfer_is_recomputed_after_the_timeout(nodes, reference):
 
 
 def test_engines_push_live_state_after_their_steps(nodes):
-    _, prefill, decode, states = nodes
-    prefill_steps = [s for s in states["prefill"] if s["measured_step_s"] > 0 and s["step_features"]]
-    assert prefill_steps and any(s["step_features"][2] > 0 for s in prefill_steps)  # prefill tokens in a step
-    decode_steps = [s for s in states["decode"] if s["measured_step_s"] > 0 and s["step_features"]]
-    assert any(s["step_features"][0] > 0 for s in decode_steps)  # steps that decoded
-    assert any(s["queued"] for s in states["prefill"])  # a queued prompt was seen while it ran
-    assert any(s["committed"] for s in states["decode"])  # a deflection's schedule, before its first token
-    assert any(s["accepted"] for s in states["decode"])
-    assert prefill.state()["queued"] == [] and decode.state()["batch_size"] == 0  # all done now
+    run, prefill, decode, states = nodes
+    for role in states:
+        states[role].clear()
+    req = request(600, PROMPTS[3])  # 1500 tokens: three prefill steps of at most 512
+    handoff = run(prefill.prefill(req))
+    prefill.release(req.request_id)
+    run(tokens(decode, req, handoff))
+    run(tokens(decode, request(601, PROMPTS[2], (256, 439)), None))
+    prefill_steps = [step for s in states["prefill"] for step in s.steps]
+    assert sum(step.chunk_tokens for step in prefill_steps) >= 1500 and all(s.measured_s > 0 for s in prefill_steps)
+    assert all(step.predicted_s > 0 for step in prefill_steps)  # the node's model priced each step
+    decode_steps = [step for s in states["decode"] for step in s.steps]
+    assert any(step.batch_size > 0 for step in decode_steps)  # steps that decoded
+    assert any(s.view.queued_prompt_tokens == (1500,) for s in states["prefill"])  # queued while it ran
+    assert any(s.view.committed == ((256, 439),) for s in states["decode"])  # before its first token
+    assert {600, 601} <= {rid for s in states["decode"] for rid in s.accepted_request_ids}
+    assert {s.role for s in states["prefill"]} == {Role.PREFILL} and {s.role for s in states["decode"]} == {Role.DECODE}
+    assert prefill.state().view.queued_prompt_tokens == () and decode.state().view.batch_size == 0  # all done now
+
+
+def test_a_deflected_request_runs_its_chunk_schedule_step_by_step(nodes):
+    """The engine hands the router's schedule to vLLM's scheduler: its steps' prefill tokens are the schedule."""
+    run, _, decode, states = nodes
+    states["decode"].clear()
+    schedule = (300, 200, 150, 45)
+    assert sum(schedule) == len(PROMPTS[2])
+    run(tokens(decode, request(700, PROMPTS[2], schedule), None))
+    prefill_steps = [step.chunk_tokens for s in states["decode"] for step in s.steps if step.chunk_tokens]
+    assert tuple(prefill_steps) == schedule
 
 
 def test_cpu_engines_of_a_host_spread_over_its_cores(monkeypatch):
@@ -224,12 +246,12 @@ def test_cpu_engines_of_a_host_spread_over_its_cores(monkeypatch):
 
     cores = sorted(os.sched_getaffinity(0))
     seen = {}
-    for role, rank in (("prefill", 0), ("prefill", 1), ("decode", 0), ("decode", 1)):
+    for role, rank in ((Role.PREFILL, 0), (Role.PREFILL, 1), (Role.DECODE, 0), (Role.DECODE, 1)):
         monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
         bind_cpu_core(role, rank)
-        seen[role, rank] = os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+        seen[role.value, rank] = os.environ["VLLM_CPU_OMP_THREADS_BIND"]
     assert seen["prefill", 0] == seen["decode", 1] == str(cores[0])
     assert seen["prefill", 1] == seen["decode", 0] == str(cores[1 % len(cores)])
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    bind_cpu_core("decode", 0)
+    bind_cpu_core(Role.DECODE, 0)
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"  # the user's setting wins

@@ -38,7 +38,7 @@ def engine(**kwargs):
 def kv_config(role: str, staging_dir: str) -> dict:
     return {
         "kv_connector": "KairosKVConnector",
-        "kv_connector_module_path": "kairos_ray.engines.kv_connector",
+        "kv_connector_module_path": "kairos_ray.kv.connector",
         "kv_role": role,
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"staging_dir": staging_dir},
@@ -53,6 +53,7 @@ def node_pair(engine_kwargs: dict, per_role: Callable[[str], tuple[dict[str, str
     which its child processes inherit; more ``VllmEngine`` arguments).
     """
     from kairos_ray.engines.vllm_engine import VllmEngine
+    from kairos_ray.messages import Role
 
     loop = asyncio.new_event_loop()
     engines = {}
@@ -62,14 +63,15 @@ def node_pair(engine_kwargs: dict, per_role: Callable[[str], tuple[dict[str, str
                 env, options = per_role(role)
                 for name, value in {"VLLM_CPU_OMP_THREADS_BIND": str(core), **env}.items():
                     mp.setenv(name, value)
-                engines[role] = VllmEngine(f"{role}-0", role, MODEL, engine_kwargs, **options)
+                engines[role] = VllmEngine(f"{role}-0", Role(role), MODEL, engine_kwargs, **options)
                 loop.run_until_complete(engines[role].start())
         yield loop.run_until_complete, engines["prefill"], engines["decode"]
     finally:
         for engine in engines.values():
-            engine.shutdown()
+            loop.run_until_complete(engine.shutdown())
         pending = asyncio.all_tasks(loop)  # the engines' output handlers and heartbeats
         for task in pending:
             task.cancel()
-        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         loop.close()

@@ -17,6 +17,7 @@ from ray import serve
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kairos_ray.engines.emulated import VOCAB, token_id
+from kairos_ray.messages import Role
 from kairos_ray.serve import build_app
 
 from .conftest import MODEL, app_args
@@ -49,12 +50,20 @@ def test_completion_reports_route_nodes_and_breakdown(live_app):
     assert r.status_code == 200
     body = r.json()
     assert body["usage"] == {"prompt_tokens": 3000, "completion_tokens": 5, "total_tokens": 3005}
-    assert r.headers["x-kairos-route"] in ("prefill", "deflect")
     assert r.headers["x-kairos-decode-node"].startswith("decode-")
     parts = dict(p.split("=") for p in r.headers["x-kairos-breakdown"].split(";"))
     assert set(parts) == {"prefill_queue", "prefill_exec", "kv_transfer", "decode_queue"}
     assert sum(map(float, parts.values())) == pytest.approx(float(r.headers["x-kairos-ttft-s"]), abs=1e-5)
-    assert body["kairos"]["route"] == r.headers["x-kairos-route"]
+    kairos = body["kairos"]
+    assert kairos["route"] == r.headers["x-kairos-route"] and kairos["decode_node"] == r.headers["x-kairos-decode-node"]
+    schedule = [int(c) for c in r.headers["x-kairos-chunk-schedule"].split(",") if c]
+    if kairos["route"] == "deflect":  # prefilled in place: the whole prompt in chunks, nothing transferred
+        assert sum(schedule) == 3000 and kairos["prefill_node"] is None and float(parts["kv_transfer"]) == 0.0
+        assert r.headers["x-kairos-prefill-node"] == r.headers["x-kairos-kv-transport"] == ""
+    else:  # prefilled on a prefill node, its KV through the object store
+        assert schedule == [] and kairos["prefill_node"] == r.headers["x-kairos-prefill-node"] != ""
+        assert r.headers["x-kairos-kv-transport"] == "object_store" and float(parts["kv_transfer"]) > 0.0
+    assert r.headers["x-kairos-fallback"] == "0" and r.headers["x-kairos-reason"].startswith("decode ")
     assert len(body["choices"][0]["text"].split()) == 5
 
 
@@ -174,7 +183,8 @@ def test_prefill_nodes_free_handed_off_kv(live_app):
     router = serve.get_deployment_handle("Router", app_name="kairos")
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        pinned = [s["pinned_kv"] for s in router.snapshot.remote().result()["nodes"].values() if s["role"] == "prefill"]
+        states = router.snapshot.remote().result().values()
+        pinned = [s.pinned_kv for s in states if s.role is Role.PREFILL]
         if len(pinned) == 2 and not any(pinned):
             return
         time.sleep(0.5)

@@ -1,4 +1,4 @@
-"""The shipped Serve configs validate; the router's state keeping, without Serve."""
+"""The shipped Serve configs validate, and bad app arguments fail with a message naming the field."""
 
 from pathlib import Path
 
@@ -6,11 +6,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from kairos_ray.config import KairosConfig
-from kairos_ray.core import Route
 from kairos_ray.serve import build_app
 from kairos_ray.serve.args import AppArgs
-from kairos_ray.serve.router import MissingState, RouterState
 
 CONFIGS = Path(__file__).resolve().parents[2] / "serve_configs"
 
@@ -78,63 +75,15 @@ def test_unknown_args_are_rejected():
         AppArgs.model_validate(args)
 
 
-def prefill_state(node, queued, accepted=()):
-    return {"node_id": node, "role": "prefill", "queued": queued, "head_prefilled": 0, "accepted": list(accepted)}
+def test_the_oracle_is_refused_on_live_engines():
+    args = args_of("2p2d-emulated.yaml")
+    args["kairos"]["policy"]["name"] = "oracle"
+    with pytest.raises(ValidationError, match="the simulator only"):
+        AppArgs.model_validate(args)
 
 
-def decode_state(node, batch=0, accepted=()):
-    return {
-        "node_id": node,
-        "role": "decode",
-        "batch_size": batch,
-        "kv_tokens": 0,
-        "free_kv_tokens": 1_000_000,
-        "committed": [],
-        "accepted": list(accepted),
-    }
-
-
-def fresh_router(ttl=2.0):
-    return RouterState(KairosConfig().build_policy("pd"), pending_ttl_s=ttl, node_timeout_s=5.0)
-
-
-def test_router_needs_both_pools_before_deciding():
-    router = fresh_router()
-    router.report(prefill_state("p0", []), now=0.0)
-    with pytest.raises(MissingState, match="1 prefill and 0 decode"):
-        router.decide(1, 100, now=0.1)
-    with pytest.raises(ValueError, match="unknown role"):
-        router.report({"node_id": "x", "role": "cook"}, now=0.1)
-
-
-def test_nodes_join_by_reporting_and_leave_when_silent():
-    router = fresh_router()
-    router.report(prefill_state("p0", [100]), now=0.0)
-    router.report(prefill_state("p1", []), now=0.0)
-    router.report(decode_state("d0"), now=0.0)
-    assert router.decide(1, 500, now=1.0)[0].prefill_node == "p1"  # the idle one
-    for t in (3.0, 6.0):  # p1 falls silent
-        router.report(prefill_state("p0", [100]), now=t)
-        router.report(decode_state("d0"), now=t)
-    view, _ = router.view(now=6.5)
-    assert [n.node_id for n in view.prefill] == ["p0"]
-    assert router.decide(2, 500, now=6.5)[0].prefill_node == "p0"
-
-
-def test_ledger_shows_undelivered_decisions_until_acknowledged_or_expired():
-    router = fresh_router()
-    router.report(prefill_state("p0", []), now=0.0)
-    router.report(decode_state("d0"), now=0.0)
-    decision, staleness = router.decide(1, 500, now=0.5)
-    assert decision.route is Route.PREFILL and staleness == pytest.approx(0.5)
-    view, _ = router.view(now=0.6)
-    assert view.prefill[0].queued_prompt_tokens == (500,)  # the engine has not said it has it yet
-    router.report(prefill_state("p0", [500], accepted=[1]), now=0.7)
-    router.report(decode_state("d0"), now=0.7)
-    view, _ = router.view(now=0.8)
-    assert view.prefill[0].queued_prompt_tokens == (500,)  # now from the engine, not twice
-    router.decide(2, 300, now=1.0)
-    router.report(prefill_state("p0", [500]), now=3.5)
-    router.report(decode_state("d0"), now=3.5)
-    view, _ = router.view(now=3.6)  # never acknowledged: dropped after the TTL
-    assert view.prefill[0].queued_prompt_tokens == (500,)
+def test_engines_come_from_the_registry():
+    args = args_of("2p2d-emulated.yaml")
+    args["decode_config"]["engine"] = args["prefill_config"]["engine"] = "tgi"
+    with pytest.raises(ValidationError, match="unknown engine; known: emulated, vllm"):
+        AppArgs.model_validate(args)

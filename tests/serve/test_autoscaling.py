@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from ray import serve
 from ray.cluster_utils import Cluster
 
+from kairos_ray.messages import Role
 from kairos_ray.serve import build_app
 from kairos_ray.serve.args import AppArgs
 from kairos_ray.serve.autoscaling import KV_FREE_SHARE, PREFILL_WAIT, TBT_HEADROOM, KairosPoolPolicy
@@ -110,8 +111,8 @@ def test_sustained_burst_adds_a_prefill_replica_and_quiet_removes_it(node_groups
     router = serve.get_deployment_handle("Router", app_name="kairos")
 
     def prefill_nodes():
-        states = router.snapshot.remote().result()["nodes"].values()
-        return {s["node_id"]: s["ray_node_id"] for s in states if s["role"] == "prefill"}
+        states = router.snapshot.remote().result().values()
+        return {s.node_id: s.ray_node_id for s in states if s.role is Role.PREFILL}
 
     async def run():
         responses = []

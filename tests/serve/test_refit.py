@@ -5,6 +5,7 @@ import pytest
 
 from kairos_ray.config import resolve_profile
 from kairos_ray.core import StepLatencyModel
+from kairos_ray.messages import StepRecord
 from kairos_ray.serve.refit import OnlineRefit
 
 SHIPPED = StepLatencyModel.load(resolve_profile("a100-deepseek-v2-lite"))
@@ -16,18 +17,16 @@ def reports(model, n, seed=0):
     rng = np.random.default_rng(seed)
     for _ in range(n):
         b, k, chi = int(rng.integers(0, 128)), int(rng.integers(0, 400_000)), int(rng.choice([0, 64, 256, 512, 2048]))
-        yield {
-            "step_features": (b, k, chi),
-            "measured_step_s": model.step_s(b, k, chi) * (1 + 0.02 * rng.standard_normal()),
-        }
+        measured = model.step_s(b, k, chi) * (1 + 0.02 * rng.standard_normal())
+        yield StepRecord(b, k, chi, measured, 0.0)
 
 
 def test_refit_adopts_a_model_that_predicts_the_reported_steps_better():
     online = OnlineRefit(every=300)
     for state in reports(ACTUAL, 299):
-        online.add(state)
+        online.add([state])
     assert not online.due
-    online.add(next(reports(ACTUAL, 1, seed=9)))
+    online.add(reports(ACTUAL, 1, seed=9))
     assert online.due
     assert online.mape(SHIPPED) == pytest.approx(0.3 / 1.3, rel=0.05)  # the live prediction error
     result = online.refit(SHIPPED)
@@ -39,17 +38,19 @@ def test_refit_adopts_a_model_that_predicts_the_reported_steps_better():
 def test_refit_keeps_the_current_model_when_it_is_already_right():
     online = OnlineRefit(every=200)
     for state in reports(SHIPPED, 200):
-        online.add(state)
+        online.add([state])
     result = online.refit(SHIPPED)
     assert result.current_mape < 0.03
     if result.model is not None:  # adopted only if strictly better on the window
         assert result.refit_mape < result.current_mape
 
 
-def test_reports_without_a_measured_step_are_ignored():
-    online = OnlineRefit(every=1)
-    online.add({"step_features": None, "measured_step_s": 0.0})
-    online.add({"step_features": (1, 10, 0), "measured_step_s": 0.0})
+def test_steps_without_a_measured_time_are_ignored():
+    online = OnlineRefit(every=2)
+    online.add([])  # a heartbeat: no step
+    online.add([StepRecord(1, 10, 0, 0.0, 0.0)])
     assert not online.due and len(online.samples) == 0
+    online.add([StepRecord(1, 10, 0, 0.01, 0.0), StepRecord(2, 20, 64, 0.02, 0.0)])  # a report with two steps
+    assert online.due and len(online.samples) == 2
     with pytest.raises(ValueError, match="every <= window"):
         OnlineRefit(every=10, window=5)

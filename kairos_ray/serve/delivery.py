@@ -1,8 +1,9 @@
-"""Serve request routing that sends each call to the replica the Kairos router chose.
+"""Delivery of each call to the replica the Kairos router chose (Serve's request-router hook; the decision is
+``serve.router``'s).
 
 A pool (prefill or decode) is one deployment whose replicas are the pool's
 nodes; a node's id is ``<role>-<replica unique id>``. Calls carry the chosen
-node as the ``node`` keyword; ``NodeRouter`` ranks that replica first. A call
+node as the ``node`` keyword; ``ChosenNodeRouter`` ranks that replica first. A call
 with no node (a fallback decision), or for a node that is gone (scaled down),
 may go to any replica, so no request is lost while replicas come and go.
 """
@@ -17,7 +18,9 @@ def replica_of(node_id: str) -> str:
     return node_id.split("-", 1)[-1]
 
 
-class NodeRouter(RequestRouter):
+class ChosenNodeRouter(RequestRouter):
+    """Ranks the replica named by the call's ``node`` keyword first; any replica when none is named or it is gone."""
+
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:

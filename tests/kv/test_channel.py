@@ -10,7 +10,7 @@ import pytest
 import ray
 import torch
 
-from kairos_ray.engines.kv_channel import ChannelError, KVChannel
+from kairos_ray.kv.channel import ChannelError, KVChannel
 
 HOST = "127.0.0.1"
 

@@ -1,7 +1,7 @@
 """A vLLM KV connector that stages a finished prefill's KV blocks for Ray to carry.
 
 Load it with ``kv_transfer_config = {"kv_connector": "KairosKVConnector",
-"kv_connector_module_path": "kairos_ray.engines.kv_connector", "kv_role":
+"kv_connector_module_path": "kairos_ray.kv.connector", "kv_role":
 "kv_producer" | "kv_consumer", "kv_load_failure_policy": "recompute"}``.
 
 Producer (prefill node): a request sent with ``kv_transfer_params =
@@ -11,8 +11,8 @@ layer's blocks of the request are copied out, whole, into one staged file
 per tensor-parallel rank under ``staging_dir``. The blocks are then freed at
 once (the copy holds the KV), and the request's output carries
 ``kv_transfer_params = {"kairos_kv": <staged path>, "num_tokens": n}``.
-``kairos_ray.engines.vllm_engine`` reads the staged bytes, hands them to the
-decode node (Ray object store or KV channel) and deletes the file.
+``kairos_ray.engines.vllm_engine`` reads the staged bytes (``kv.staging``),
+hands them to the decode node (``kv.transport``) and deletes the file.
 
 With ``kv_connector_extra_config = {"hold_blocks_until_taken": true}`` the
 producer instead keeps the request's blocks until the decode node has the KV:
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import re
 import time
 from dataclasses import dataclass, field
@@ -54,15 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from kairos_ray.engines.vllm_args import (
-    HOLD_KEY,
-    KV_PATH,
-    KV_TOKENS,
-    REMOTE_DECODE,
-    TAKEN,
-    default_staging_dir,
-    rank_path,
-)
+from kairos_ray.kv.staging import HOLD_KEY, KV_PATH, KV_TOKENS, REMOTE_DECODE, TAKEN, default_staging_dir, rank_path
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -209,10 +202,14 @@ class KairosKVConnector(KVConnectorBase_V1):
                         raise ValueError(f"{blocks.shape[dim]} staged blocks, {len(load.block_ids)} needed")
                     index = torch.tensor(load.block_ids, dtype=torch.long, device=kv.device)
                     kv.index_copy_(dim, index, blocks.narrow(dim, 0, len(load.block_ids)).to(kv.device, kv.dtype))
-            except Exception as error:
+            except (OSError, ValueError, KeyError, RuntimeError, pickle.UnpicklingError) as error:
+                # a file gone, short, of another shape or corrupt: vLLM recomputes the blocks
                 logger.warning(
                     "KV load from %s failed (%s); its %d blocks are recomputed", path, error, len(load.block_ids)
                 )
+                self._failed_blocks.update(load.block_ids)
+            except Exception:  # unexpected: still recomputed (the engine must go on), but with its traceback
+                logger.exception("KV load from %s failed; its %d blocks are recomputed", path, len(load.block_ids))
                 self._failed_blocks.update(load.block_ids)
             with contextlib.suppress(OSError):
                 os.unlink(path)

@@ -24,6 +24,10 @@ up after ``timeout_s``, and gloo then closes the pair, so both ends see it
 broken; a peer that dies breaks its pair at once. The decode node recomputes
 what it did not receive. A ticket whose request never asks for its KV holds
 its pair's stream until a later hand-off drains it or the send times out.
+
+``ChannelTransport`` puts a channel behind the ``KVTransport`` interface:
+hand-offs to a named decode node take the pair, the rest (the router fell
+back and named none) the object store.
 """
 
 from __future__ import annotations
@@ -31,16 +35,22 @@ from __future__ import annotations
 import asyncio
 import datetime
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore  # type: ignore[attr-defined]
+
+from kairos_ray.kv.object_store import ObjectStoreTransport
+from kairos_ray.kv.transport import KVBytes, KVLost, KVPayload
+
+logger = logging.getLogger("ray.serve")
 
 BACKENDS = ("gloo", "nccl")
 MAX_RANKS = 64  # tensor-parallel ranks one header can describe
@@ -48,11 +58,11 @@ THREADS = 64  # blocking sends, receives and pair formations in flight at once
 UNCLAIMED_S = 120.0  # a received payload that no request claimed is dropped after this
 
 
-class ChannelError(RuntimeError):
+class ChannelError(KVLost):
     """A pair broke or timed out; the hand-off it carried is lost."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChannelTicket:
     """What the decode node needs to receive one hand-off: where the pair forms, and its place in the stream."""
 
@@ -70,10 +80,10 @@ class _Pair:
     group: Any  # the two-rank process group: rank 0 sends, rank 1 receives
     turn: threading.Condition = field(default_factory=threading.Condition)
     next_seq: int = 0  # the next hand-off to send (sender) or to take off the stream (receiver)
-    unclaimed: dict[int, tuple[dict[int, bytes], float]] = field(default_factory=dict)  # receiver: seq -> payload
+    unclaimed: dict[int, tuple[KVBytes, float]] = field(default_factory=dict)  # receiver: seq -> payload
 
 
-def _header(payload: dict[int, bytes]) -> torch.Tensor:
+def _header(payload: KVBytes) -> torch.Tensor:
     if len(payload) > MAX_RANKS or any(not 0 <= r < MAX_RANKS for r in payload):
         raise ValueError(f"at most {MAX_RANKS} tensor-parallel ranks per hand-off, got ranks {sorted(payload)}")
     header = torch.full((MAX_RANKS,), -1, dtype=torch.int64)  # bytes of each rank; -1: no such rank
@@ -82,7 +92,7 @@ def _header(payload: dict[int, bytes]) -> torch.Tensor:
     return header
 
 
-def _unpack(header: torch.Tensor, body: torch.Tensor) -> dict[int, bytes]:
+def _unpack(header: torch.Tensor, body: torch.Tensor) -> KVBytes:
     data, payload, offset = body.numpy().data, {}, 0
     for rank, n in enumerate(header.tolist()):
         if n >= 0:
@@ -116,6 +126,15 @@ class KVChannel:
     def __len__(self) -> int:
         """Pairs formed and alive."""
         return len(self._pairs)
+
+    def close(self) -> None:
+        """Drop every pair and the rendezvous store; blocked operations end with their timeouts."""
+        with self._lock:
+            self._dead.update(self._pairs)
+            self._pairs.clear()
+            self._keys.clear()
+            self._server = None
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
     async def _run(self, call: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._threads, call, *args)
@@ -180,11 +199,11 @@ class KVChannel:
             port = int(self._server.port)
         return ChannelTicket(self.host, port, key, seq, self.node_id, receiver, request_id)
 
-    async def send(self, ticket: ChannelTicket, payload: dict[int, bytes]) -> None:
+    async def send(self, ticket: ChannelTicket, payload: KVBytes) -> None:
         """Send the hand-off's bytes; returns once the receiver has taken them, raises ``ChannelError``."""
         await self._run(self._send, ticket, payload)
 
-    def _send(self, ticket: ChannelTicket, payload: dict[int, bytes]) -> None:
+    def _send(self, ticket: ChannelTicket, payload: KVBytes) -> None:
         header = _header(payload).to(self.device)
         data = bytearray().join(payload[r] for r in sorted(payload))  # one copy
         body = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
@@ -202,14 +221,14 @@ class KVChannel:
 
     # ---- receiver (decode node) -----------------------------------------------------------
 
-    async def receive(self, ticket: ChannelTicket) -> dict[int, bytes]:
+    async def receive(self, ticket: ChannelTicket) -> KVBytes:
         """The hand-off's bytes, {rank: bytes}; raises ``ChannelError`` when they cannot come."""
         if ticket.receiver != self.node_id:
             raise ChannelError(f"KV of request {ticket.request_id} was sent to {ticket.receiver}, not {self.node_id}")
-        payload: dict[int, bytes] = await self._run(self._receive, ticket)
+        payload: KVBytes = await self._run(self._receive, ticket)
         return payload
 
-    def _receive(self, ticket: ChannelTicket) -> dict[int, bytes]:
+    def _receive(self, ticket: ChannelTicket) -> KVBytes:
         pair = self._pair(ticket.key, 1, ticket.host, ticket.port)
         with pair.turn:  # one thread takes hand-offs off the stream at a time, in order, up to this one
             while pair.next_seq <= ticket.seq:
@@ -227,3 +246,57 @@ class KVChannel:
             if ticket.seq not in pair.unclaimed:
                 raise ChannelError(f"KV hand-off {ticket.seq} of pair {ticket.key} was taken already or expired")
             return pair.unclaimed.pop(ticket.seq)[0]
+
+
+class ChannelTransport:
+    """KV over a channel to the decode node the router named; through the object store when it named none.
+
+    A send runs in the background and returns once the decode node took the
+    bytes: until then the hand-off counts as ``held``; then the object store's
+    ``on_taken`` runs for it, as a ``release`` would.
+    """
+
+    def __init__(self, channel: KVChannel, object_store: ObjectStoreTransport) -> None:
+        self.channel, self.object_store = channel, object_store
+        self._sending: dict[int, asyncio.Task[None]] = {}  # request id -> its send, until taken or failed
+
+    async def hand_off(self, request_id: int, payload: KVPayload, receiver: str) -> tuple[Any, str]:
+        if not receiver:
+            return await self.object_store.hand_off(request_id, payload, receiver)
+        ticket = self.channel.ticket(receiver, request_id)
+        task = asyncio.get_running_loop().create_task(self._send(ticket, payload))
+        self._sending[request_id] = task
+        task.add_done_callback(lambda _: self._sending.pop(request_id, None))
+        return ticket, self.channel.backend
+
+    async def _send(self, ticket: ChannelTicket, payload: KVPayload) -> None:
+        try:
+            await self.channel.send(ticket, cast(KVBytes, payload))
+        except ChannelError as error:  # the decode node recomputes when it does not receive
+            logger.warning("%s: %s", self.channel.node_id, error)
+        finally:
+            if self.object_store.on_taken is not None:
+                self.object_store.on_taken(ticket.request_id)
+
+    async def receive(self, reference: Any) -> KVPayload:
+        if not isinstance(reference, ChannelTicket):
+            return await self.object_store.receive(reference)
+        try:  # forming the pair and taking earlier hand-offs off the stream count too
+            return await asyncio.wait_for(self.channel.receive(reference), timeout=self.channel.timeout_s)
+        except TimeoutError:
+            raise ChannelError(
+                f"KV of request {reference.request_id} not received within {self.channel.timeout_s} s"
+            ) from None
+
+    def release(self, request_id: int) -> None:
+        self.object_store.release(request_id)
+
+    @property
+    def held(self) -> int:
+        return self.object_store.held + len(self._sending)
+
+    def close(self) -> None:
+        for task in list(self._sending.values()):
+            task.cancel()
+        self.object_store.close()
+        self.channel.close()

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from kairos_ray.engines.vllm_args import rank_path
+from kairos_ray.kv.staging import rank_path
 from tests.engines.tiny import GREEDY, PROMPTS, engine, kv_config
 
 OUTPUT = 16

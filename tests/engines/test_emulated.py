@@ -1,0 +1,148 @@
+"""The emulated engine on its own (no Serve): the node models in wall-clock time, KV through the real object store.
+
+Engines are built through the registry, as engine servers build them, and run
+at 1/20 of the emulated A100's time so that tests stay short.
+"""
+
+import asyncio
+import math
+import time
+
+import pytest
+import ray
+
+from kairos_ray.config import KairosConfig, resolve_profile
+from kairos_ray.core import DecodeNodeView, PrefillNodeView
+from kairos_ray.emulation import ClusterHardware
+from kairos_ray.engines import EngineOptions, NodeSpec, build_engine
+from kairos_ray.engines.emulated import EmulatedEngine, token_id
+from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role
+
+PROFILE = str(resolve_profile("a100-deepseek-v2-lite"))
+HARDWARE = ClusterHardware.from_profile(PROFILE)
+KV_SCALE = 1000
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def engine(role: Role, states: list[NodeState], **options) -> EmulatedEngine:
+    spec = NodeSpec(
+        node_id=f"{role.value}-0",
+        role=role,
+        policy=KairosConfig().build_policy(),
+        profile=PROFILE,
+        prefill_chunk_tokens=2048,
+        options=EngineOptions(time_scale=0.05, kv_scale=KV_SCALE, report_interval_s=0.0, **options),
+        on_state=states.append,
+    )
+    built = build_engine("emulated", spec)
+    assert isinstance(built, EmulatedEngine)
+    return built
+
+
+def request(rid: int, prompt_tokens: int, max_tokens: int = 5, schedule: tuple[int, ...] = ()) -> EngineRequest:
+    return EngineRequest(rid, prompt_tokens, max_tokens, time.time(), chunk_schedule=schedule)
+
+
+async def collect(decode: EmulatedEngine, req: EngineRequest, handoff: KVHandoff | None):
+    return [event async for event in decode.generate(req, handoff)]
+
+
+def test_a_disaggregated_request_hands_its_kv_through_the_object_store():
+    async def scenario():
+        prefill_states, decode_states = [], []
+        prefill, decode = engine(Role.PREFILL, prefill_states), engine(Role.DECODE, decode_states)
+        await prefill.start()
+        await decode.start()
+        try:
+            req = request(7, 5000)
+            handoff = await prefill.prefill(req)
+            assert isinstance(handoff.kv, ray.ObjectRef) and handoff.transport == "object_store"
+            assert handoff.kv_bytes == math.ceil(5000 * HARDWARE.kv_bytes_per_token / KV_SCALE)
+            assert prefill.state().pinned_kv == 1  # held until the decode node has it
+            events = await collect(decode, req, handoff)
+            prefill.release(req.request_id)
+            assert prefill.state().pinned_kv == 0
+            return events, prefill_states, decode_states
+        finally:
+            await prefill.shutdown()
+            await decode.shutdown()
+
+    events, prefill_states, decode_states = asyncio.run(scenario())
+    assert [e.token_id for e in events] == [token_id(7, i) for i in range(5)]
+    assert [e.finished for e in events] == [False] * 4 + [True] and events[-1].finish_reason == "length"
+    first = events[0].breakdown
+    assert first is not None and first.prefill_exec_s > 0 and first.kv_transfer_s >= 0 and first.decode_queue_s > 0
+    assert all(e.breakdown is None for e in events[1:])
+    # the prefill node reported its 5000-token prompt in chunks of 2048, then an empty queue
+    chunks = [step.chunk_tokens for s in prefill_states for step in s.steps]
+    assert chunks == [2048, 2048, 904]
+    assert any(s.view.queued_prompt_tokens for s in prefill_states)
+    assert 7 in {rid for s in decode_states for rid in s.accepted_request_ids}
+
+
+def test_a_deflected_request_is_prefilled_in_place_per_its_schedule():
+    async def scenario():
+        states = []
+        decode = engine(Role.DECODE, states)
+        await decode.start()
+        try:
+            events = await collect(decode, request(8, 3000, schedule=(2048, 512, 440)), None)
+            return events, states, decode.state()
+        finally:
+            await decode.shutdown()
+
+    events, states, after = asyncio.run(scenario())
+    assert len(events) == 5 and events[0].breakdown.kv_transfer_s == 0.0 and events[0].breakdown.prefill_exec_s > 0
+    assert [step.chunk_tokens for s in states for step in s.steps if step.chunk_tokens] == [2048, 512, 440]
+    assert any(s.view.committed for s in states)  # the schedule showed while it ran
+    assert isinstance(after.view, DecodeNodeView) and after.role is Role.DECODE
+    assert after.view.batch_size == 0 and after.view.kv_tokens == 0 and after.view.committed == ()
+
+
+def test_kv_that_never_comes_is_recomputed_in_place():
+    async def scenario():
+        decode = engine(Role.DECODE, [], kv_timeout_s=0.5)
+        await decode.start()
+        late = sleeper.remote(60)  # the KV's reference: a task that does not end in time
+        try:
+            slow = KVHandoff(late, 10, "prefill-gone", 0.0, 0.0, time.time(), "object_store")
+            start = time.monotonic()
+            events = await collect(decode, request(9, 1000), slow)
+            return events, decode.kv_recomputes, time.monotonic() - start
+        finally:
+            ray.cancel(late, force=True)
+            await decode.shutdown()
+
+    events, recomputes, waited = asyncio.run(scenario())
+    assert len(events) == 5 and events[-1].finished
+    assert recomputes == 1 and waited >= 0.5
+    assert events[0].breakdown.prefill_exec_s > 0  # the decode node prefilled it
+
+
+@ray.remote(num_cpus=0)
+def sleeper(seconds: float) -> bytes:
+    time.sleep(seconds)
+    return b""
+
+
+def test_state_is_a_typed_report_and_shutdown_stops_the_loop():
+    async def scenario():
+        prefill = engine(Role.PREFILL, [])
+        await prefill.start()
+        state = prefill.state()
+        task = prefill._task
+        await prefill.shutdown()
+        return state, task
+
+    state, task = asyncio.run(scenario())
+    assert isinstance(state, NodeState) and isinstance(state.view, PrefillNodeView)
+    assert state.node_id == "prefill-0" and state.role is Role.PREFILL and state.wall_s > 0
+    assert task is not None and task.done()
+    with pytest.raises(ValueError, match="unknown engine 'tgi'"):
+        build_engine("tgi", None)  # type: ignore[arg-type]

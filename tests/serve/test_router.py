@@ -1,0 +1,75 @@
+"""The router's state keeping, without Serve: nodes join and leave, the ledger shows undelivered decisions."""
+
+import pytest
+
+from kairos_ray.config import KairosConfig
+from kairos_ray.core import DecodeNodeView, PrefillNodeView, Route
+from kairos_ray.messages import NodeState
+from kairos_ray.serve.router import MissingState, RouterState
+
+
+def prefill_state(node, queued, accepted=()):
+    return NodeState(PrefillNodeView(node, tuple(queued)), "", 0.0, accepted_request_ids=tuple(accepted))
+
+
+def decode_state(node, batch=0, accepted=(), free_kv_tokens=1_000_000):
+    view = DecodeNodeView(node, batch_size=batch, kv_tokens=0, free_kv_tokens=free_kv_tokens)
+    return NodeState(view, "", 0.0, accepted_request_ids=tuple(accepted))
+
+
+def fresh_router(ttl=2.0):
+    return RouterState(KairosConfig().build_policy("pd"), pending_ttl_s=ttl, node_timeout_s=5.0)
+
+
+def test_router_needs_both_pools_before_deciding():
+    router = fresh_router()
+    router.report(prefill_state("p0", []), now=0.0)
+    with pytest.raises(MissingState, match="1 prefill and 0 decode"):
+        router.decide(1, 100, 10, now=0.1)
+
+
+def test_nodes_join_by_reporting_and_leave_when_silent():
+    router = fresh_router()
+    router.report(prefill_state("p0", [100]), now=0.0)
+    router.report(prefill_state("p1", []), now=0.0)
+    router.report(decode_state("d0"), now=0.0)
+    assert router.decide(1, 500, 10, now=1.0)[0].prefill_node == "p1"  # the idle one
+    for t in (3.0, 6.0):  # p1 falls silent
+        router.report(prefill_state("p0", [100]), now=t)
+        router.report(decode_state("d0"), now=t)
+    view, _ = router.view(now=6.5)
+    assert [n.node_id for n in view.prefill] == ["p0"]
+    assert router.decide(2, 500, 10, now=6.5)[0].prefill_node == "p0"
+
+
+def test_ledger_shows_undelivered_decisions_until_acknowledged_or_expired():
+    router = fresh_router()
+    router.report(prefill_state("p0", []), now=0.0)
+    router.report(decode_state("d0"), now=0.0)
+    decision, staleness = router.decide(1, 500, 10, now=0.5)
+    assert decision.route is Route.PREFILL and staleness == pytest.approx(0.5)
+    view, _ = router.view(now=0.6)
+    assert view.prefill[0].queued_prompt_tokens == (500,)  # the engine has not said it has it yet
+    router.report(prefill_state("p0", [500], accepted=[1]), now=0.7)
+    router.report(decode_state("d0"), now=0.7)
+    view, _ = router.view(now=0.8)
+    assert view.prefill[0].queued_prompt_tokens == (500,)  # now from the engine, not twice
+    router.decide(2, 300, 10, now=1.0)
+    router.report(prefill_state("p0", [500]), now=3.5)
+    router.report(decode_state("d0"), now=3.5)
+    view, _ = router.view(now=3.6)  # never acknowledged: dropped after the TTL
+    assert view.prefill[0].queued_prompt_tokens == (500,)
+
+
+def test_a_deflection_in_the_ledger_commits_its_schedule_and_reserves_its_output_kv():
+    router = RouterState(KairosConfig().build_policy("sl:4096"), pending_ttl_s=2.0)
+    router.report(prefill_state("p0", []), now=0.0)
+    router.report(decode_state("d0", free_kv_tokens=100_000), now=0.0)
+    decision, _ = router.decide(1, 3000, 500, now=0.1)
+    assert decision.route is Route.DEFLECT and sum(decision.chunk_schedule) == 3000
+    (node,) = router.view(now=0.2)[0].decode
+    assert node.committed == (decision.chunk_schedule,)
+    assert node.free_kv_tokens == 100_000 - 500 and node.headroom_kv_tokens == 100_000 - 500 - 3000
+    router.report(decode_state("d0", accepted=[1], free_kv_tokens=96_500), now=0.3)  # the engine has it now
+    (node,) = router.view(now=0.4)[0].decode
+    assert node.committed == () and node.free_kv_tokens == 96_500
