@@ -44,6 +44,8 @@ class EngineRequest:
     prompt_token_ids: tuple[int, ...] = ()  # the tokenized prompt (vLLM engines need it; emulated ones do not)
     sampling: Mapping[str, Any] | None = None  # vLLM SamplingParams keyword arguments (temperature, top_p, seed...)
     kv_receiver: str = ""  # disaggregated: the decode node chosen to continue it ("" when the router fell back)
+    attempt: int = 0  # 0 for the first try; a retry or a migration runs as a new attempt (engines key on both)
+    output_offset: int = 0  # tokens generated before a migration: this attempt's first token has this index
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +114,7 @@ class NodeState:
     pinned_kv: int = 0  # prefill: hand-offs whose KV this node still holds for a decode node
     kv_recomputes: int = 0  # decode: hand-offs whose KV was lost or late, recomputed here (cumulative)
     kv_usage: float = 0.0  # share of the node's KV cache in use, as its engine counts it
+    healthy: bool = True  # False: its engine died or stopped making progress (the router drops the node at once)
 
     @property
     def node_id(self) -> str:

@@ -54,6 +54,7 @@ class Job:
     finish_s: float = math.nan
     join_step: int = 0  # first decode-node step in which it emits a decode token
     last_step: int = 0  # decode-node step of its last token
+    cancelled: bool = False  # its client went away: the node drops it at the end of the step in flight
 
 
 @dataclass(eq=False)
@@ -84,10 +85,21 @@ class PrefillNode:
         self.busy = True
         return self.done_tokens, self.chunk
 
+    def cancel(self, job: Job) -> None:
+        """Drop a queued job; the head, if a step of it is in flight, once that step ends."""
+        if self.busy and self.queue and self.queue[0] is job:
+            job.cancelled = True
+        elif job in self.queue:
+            self.queue.remove(job)
+
     def end_step(self, now: float) -> Job | None:
-        """Apply the step; returns the job whose prompt it finished, if any."""
+        """Apply the step; returns the job whose prompt it finished, if any (not a cancelled one)."""
         self.done_tokens += self.chunk
         head = self.queue[0]
+        if head.cancelled:
+            self.queue.popleft()
+            self.done_tokens = 0
+            return None
         if self.done_tokens < head.prompt_tokens:
             return None
         self.queue.popleft()
@@ -111,6 +123,7 @@ class DecodeNode:
     busy: bool = False
     busy_s: float = 0.0
     finishing: list[tuple[int, int, Job]] = field(default_factory=list)  # heap of (last_step, request_id, job)
+    cancelling: int = 0  # jobs cancelled while in the step in flight or the batch, dropped when it ends
     deflections: deque[Job] = field(default_factory=deque)
     waiting: deque[Job] = field(default_factory=deque)
     joined: list[Job] = field(default_factory=list)  # joined the batch in the last begin_step/end_step
@@ -138,6 +151,35 @@ class DecodeNode:
         """A disaggregated job's KV has arrived; it joins the batch at a step start."""
         job.kv_ready_s = now
         self.waiting.append(job)
+
+    def cancel(self, job: Job) -> None:
+        """Drop a job: at once while it waits, at the end of the step in flight once it prefills or decodes."""
+        if job in self.waiting:
+            self.waiting.remove(job)
+        elif job in self.deflections and not (self.busy and self.deflections[0] is job):
+            self.deflections.remove(job)
+            self.kv_tokens -= sum(job.schedule[: job.next_chunk])
+            self.reserved_tokens -= job.prompt_tokens + job.output_tokens
+        elif not job.cancelled and job.finish_s != job.finish_s:  # not finished yet (finish_s is NaN)
+            job.cancelled = True
+            self.cancelling += 1
+
+    def _drop_cancelled(self) -> None:
+        """End-of-step: remove cancelled jobs from the deflection head and the batch, freeing their KV."""
+        self.cancelling = 0
+        if self.deflections and self.deflections[0].cancelled:
+            head = self.deflections.popleft()
+            self.kv_tokens -= sum(head.schedule[: head.next_chunk])
+            self.reserved_tokens -= head.prompt_tokens + head.output_tokens
+        dropped = [entry for entry in self.finishing if entry[2].cancelled]
+        if not dropped:
+            return
+        self.finishing = [entry for entry in self.finishing if not entry[2].cancelled]
+        heapq.heapify(self.finishing)
+        for _, _, job in dropped:
+            self.running -= 1
+            self.kv_tokens -= job.prompt_tokens + max(0, self.step - job.join_step)
+            self.reserved_tokens -= job.prompt_tokens + job.output_tokens
 
     def begin_step(self, now: float) -> tuple[int, int, int] | None:
         """Admit waiting jobs; (B, K, chunk) of the next step, or None (idle)."""
@@ -206,6 +248,8 @@ class DecodeNode:
             self._finish(heapq.heappop(heap)[2], now)
             self.running -= 1
         self.step += 1
+        if self.cancelling:
+            self._drop_cancelled()
 
     def _finish(self, job: Job, now: float) -> None:
         job.finish_s = now

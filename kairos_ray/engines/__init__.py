@@ -40,6 +40,7 @@ class EngineOptions:
     time_scale: float = 1.0  # emulated: wall seconds per emulated second
     kv_scale: int = 1000  # emulated: KV payload bytes divided by this
     seed: int = 0  # emulated: step-noise seed (per node: plus a hash of its id)
+    stall_timeout_s: float = 20.0  # unhealthy: work but no step (or no answer to a ping) for this long
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ class NodeSpec:
     local_rank: int = 0  # this replica's rank among the pool's replicas on its host
     ray_node_id: str = ""  # the Ray node (host) of the replica
     on_state: Callable[[NodeState], None] | None = None  # where state reports go (the router)
+
+
+class EngineUnhealthy(RuntimeError):
+    """The engine died or stopped making progress: its replica must be replaced, its requests run elsewhere."""
 
 
 class Engine(Protocol):
@@ -82,7 +87,11 @@ class Engine(Protocol):
         ...
 
     def state(self) -> NodeState:
-        """What the router needs of this node now."""
+        """What the router needs of this node now (``healthy`` false once ``check_health`` would raise)."""
+        ...
+
+    def check_health(self) -> None:
+        """Raise ``EngineUnhealthy`` if the engine died or has made no progress for ``stall_timeout_s``."""
         ...
 
     async def shutdown(self) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import time
 import zlib
@@ -30,7 +31,7 @@ from typing import Self
 
 from kairos_ray.core import Guard, StepLatency, StepLatencyModel
 from kairos_ray.emulation import ClusterHardware, GroundTruth, StepNoise
-from kairos_ray.engines import NodeSpec
+from kairos_ray.engines import EngineUnhealthy, NodeSpec
 from kairos_ray.engines.reporting import StateReporter
 from kairos_ray.kv import KVLost, KVTransport, build_transport
 from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role, TokenEvent, TTFTBreakdown
@@ -76,9 +77,12 @@ class EmulatedEngine:
         )
         self.kv_recomputes = 0  # hand-offs whose KV was lost: recomputed here
         self._noise = StepNoise(seed, hardware.noise_cv)
-        self._done: dict[int, asyncio.Future[Job]] = {}  # prefill: request id -> resolved when prefilled
-        self._streams: dict[int, asyncio.Queue[TokenEvent]] = {}  # decode: request id -> its tokens
-        self._emitted: dict[int, int] = {}  # decode: request id -> tokens emitted so far
+        # Jobs are keyed by a node-local id: a retried or migrated request may come back to this node.
+        self._job_ids = itertools.count()
+        self._requests: dict[int, EngineRequest] = {}  # decode: job id -> its request (token ids, offset)
+        self._done: dict[int, asyncio.Future[Job]] = {}  # prefill: job id -> resolved when prefilled
+        self._streams: dict[int, asyncio.Queue[TokenEvent]] = {}  # decode: job id -> its tokens
+        self._emitted: dict[int, int] = {}  # decode: job id -> tokens emitted so far
         self._active: dict[int, Job] = {}  # decode: jobs in the batch
         self._breakdowns: dict[int, TTFTBreakdown] = {}  # decode, disaggregated: what the prefill node timed
         self._wake = asyncio.Event()
@@ -110,6 +114,12 @@ class EmulatedEngine:
     async def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    def check_health(self) -> None:
+        """Raises ``EngineUnhealthy`` once the step loop has died (an emulated engine cannot stall on its own)."""
+        if self._task is not None and self._task.done():
+            cause = None if self._task.cancelled() else self._task.exception()
+            raise EngineUnhealthy(f"{self.node_id}: the step loop ended ({cause!r})")
 
     async def shutdown(self) -> None:
         if self._task is not None:
@@ -158,7 +168,9 @@ class EmulatedEngine:
         if self.role is Role.PREFILL:
             done = self.prefill_node.end_step(now)
             if done is not None:
-                self._done.pop(done.request_id).set_result(done)
+                future = self._done.pop(done.request_id, None)
+                if future is not None and not future.done():
+                    future.set_result(done)
             return
         in_batch = list(self._active.values())
         node = self.decode_node
@@ -172,9 +184,20 @@ class EmulatedEngine:
             if job.request_id not in self._active:  # a deflected job with a single output token
                 self._emit(job)
             self._active.pop(job.request_id, None)
+        for job in [j for j in self._active.values() if j.cancelled]:  # dropped by the node model
+            self._forget(job.request_id)
+
+    def _forget(self, job_id: int) -> None:
+        self._active.pop(job_id, None)
+        self._emitted.pop(job_id, None)
+        self._breakdowns.pop(job_id, None)
+        self._requests.pop(job_id, None)
 
     def _emit(self, job: Job) -> None:
         rid = job.request_id
+        request = self._requests.get(rid)
+        if request is None:  # its request ended
+            return
         index = self._emitted.get(rid, 0)
         finished = index + 1 >= job.output_tokens
         breakdown = None
@@ -187,7 +210,7 @@ class EmulatedEngine:
                     kv_transfer_s=earlier.kv_transfer_s,
                 )
             else:
-                earlier = self._breakdowns.pop(rid)
+                earlier = self._breakdowns.pop(rid, TTFTBreakdown())
                 breakdown = TTFTBreakdown(
                     earlier.prefill_queue_s,
                     earlier.prefill_exec_s,
@@ -195,12 +218,13 @@ class EmulatedEngine:
                     decode_queue_s=job.first_token_s - job.kv_ready_s,
                 )
         stream = self._streams.get(rid)
-        if stream is not None:  # None: the client went away; the job still runs its course
-            token = token_id(rid, index)
+        if stream is not None:
+            position = request.output_offset + index
+            token = token_id(request.request_id, position)
             reason = "length" if finished else None
-            stream.put_nowait(TokenEvent(token, index, finished, self.node_id, f" tok{token}", reason, breakdown))
+            stream.put_nowait(TokenEvent(token, position, finished, self.node_id, f" tok{token}", reason, breakdown))
         if finished:
-            self._emitted.pop(rid, None)
+            self._forget(rid)
         else:
             self._emitted[rid] = index + 1
 
@@ -209,14 +233,19 @@ class EmulatedEngine:
     async def prefill(self, request: EngineRequest) -> KVHandoff:
         if self.role is not Role.PREFILL:
             raise RuntimeError(f"{self.node_id} is a {self.role} node")
-        job = Job(request.request_id, time.monotonic(), request.prompt_tokens, request.max_tokens)
+        job = Job(next(self._job_ids), time.monotonic(), request.prompt_tokens, request.max_tokens)
         done = self._done[job.request_id] = asyncio.get_running_loop().create_future()
         self.prefill_node.queue.append(job)
-        self.reporter.accepted(job.request_id)
+        self.reporter.accepted(request.request_id)
         self._wake.set()
-        await done
+        try:
+            await done
+        except asyncio.CancelledError:  # the client went away: drop its prefill
+            self._done.pop(job.request_id, None)
+            self.prefill_node.cancel(job)
+            raise
         kv_bytes = max(1, math.ceil(request.prompt_tokens * self.hw.kv_bytes_per_token / self.kv_scale))
-        kv, transport = await self.kv.hand_off(job.request_id, {0: bytes(kv_bytes)}, request.kv_receiver)
+        kv, transport = await self.kv.hand_off(request.request_id, {0: bytes(kv_bytes)}, request.kv_receiver)
         return KVHandoff(
             kv=kv,
             kv_bytes=kv_bytes,
@@ -242,9 +271,11 @@ class EmulatedEngine:
     async def generate(self, request: EngineRequest, handoff: KVHandoff | None) -> AsyncIterator[TokenEvent]:
         if self.role is not Role.DECODE:
             raise RuntimeError(f"{self.node_id} is a {self.role} node")
-        job = Job(request.request_id, time.monotonic(), request.prompt_tokens, request.max_tokens)
+        job = Job(next(self._job_ids), time.monotonic(), request.prompt_tokens, request.max_tokens)
         stream: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._streams[job.request_id] = stream
+        self._requests[job.request_id] = request
+        finished = False
         try:
             if handoff is None:
                 if not request.chunk_schedule or sum(request.chunk_schedule) != request.prompt_tokens:
@@ -267,19 +298,24 @@ class EmulatedEngine:
                     full, rest = divmod(request.prompt_tokens, self.prefill_chunk_tokens)
                     job.schedule = (self.prefill_chunk_tokens,) * full + ((rest,) if rest else ())
                     self.decode_node.deflect(job)
-            self.reporter.accepted(job.request_id)
+            self.reporter.accepted(request.request_id)
             self._wake.set()
-            while True:
+            while not finished:
                 event = await stream.get()
+                finished = event.finished
                 yield event
-                if event.finished:
-                    return
         finally:
             self._streams.pop(job.request_id, None)
+            if not finished:  # the client went away, or the request failed: the node drops the job
+                self.decode_node.cancel(job)
+                self._breakdowns.pop(job.request_id, None)
+                if job.request_id not in self._active:
+                    self._requests.pop(job.request_id, None)
 
     def state(self) -> NodeState:
+        healthy = self._task is None or not self._task.done()
         if self.role is Role.PREFILL:
-            return self.reporter.state(self.prefill_node.view(), pinned_kv=self.kv.held)
+            return self.reporter.state(self.prefill_node.view(), pinned_kv=self.kv.held, healthy=healthy)
         view = self.decode_node.view()
         capacity = self.hw.kv_capacity_tokens
         return self.reporter.state(
@@ -287,4 +323,5 @@ class EmulatedEngine:
             num_waiting=len(self.decode_node.waiting),
             kv_recomputes=self.kv_recomputes,
             kv_usage=(capacity - view.free_kv_tokens) / capacity,
+            healthy=healthy,
         )

@@ -55,6 +55,7 @@ class StateReporter:
         pinned_kv: int = 0,
         kv_recomputes: int = 0,
         kv_usage: float = 0.0,
+        healthy: bool = True,
     ) -> NodeState:
         """The node's state now; its ``steps`` hold the last step only (``report`` sends all since the last)."""
         return NodeState(
@@ -66,6 +67,7 @@ class StateReporter:
             pinned_kv=pinned_kv,
             kv_recomputes=kv_recomputes,
             kv_usage=kv_usage,
+            healthy=healthy,
         )
 
     def report(self, force: bool = False) -> None:

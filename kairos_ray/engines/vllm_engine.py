@@ -25,6 +25,13 @@ Live state: a stat logger runs after every step in this process; it records
 the step's measured time with its prefill tokens and batch size, and pushes
 the node's state to the router (at most every ``report_interval_s``, plus a
 heartbeat).
+
+Health: the heartbeat also pings the engine core (a utility call it answers
+between steps). Progress is the last step or answered ping; with none for
+``stall_timeout_s`` (a stopped or wedged engine core), or once vLLM finds its
+engine core dead, the engine is unhealthy: every request in flight fails at
+once (the ingress runs it elsewhere), its reports say so (the router drops
+the node) and ``check_health`` raises (Serve replaces the replica).
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from typing import Any, Self, cast
 import ray
 
 from kairos_ray.core import DecodeNodeView, PrefillNodeView, StepLatencyModel
-from kairos_ray.engines import NodeSpec
+from kairos_ray.engines import EngineUnhealthy, NodeSpec
 from kairos_ray.engines.reporting import StateReporter
 from kairos_ray.engines.vllm_args import GUARD_KEY, SCHEDULE_KEY, guard_spec
 from kairos_ray.kv import KAIROS_CONNECTOR, KVBytes, KVLost, KVTransport, build_transport
@@ -115,8 +122,10 @@ class VllmEngine:
         staging_dir: str | None = None,
         kv_channel: str | None = None,
         hold_blocks: bool = False,
+        stall_timeout_s: float = 20.0,
     ) -> None:
         self.node_id, self.role, self.guard = node_id, Role(role), guard
+        self.stall_timeout_s = stall_timeout_s
         self.reporter = reporter or StateReporter("", None, None, 1.0)
         self.reporter.snapshot = self.state
         self.staging = Staging(staging_dir)
@@ -139,6 +148,9 @@ class VllmEngine:
         self._waiting = 0  # requests vLLM has not scheduled yet
         self._kv_usage = 0.0
         self._heartbeat: asyncio.Task[None] | None = None
+        self._ping: asyncio.Task[None] | None = None
+        self._progress_s = time.monotonic()  # last step or answered ping
+        self._unhealthy = ""  # why the engine is unhealthy ("" while it is healthy)
 
     @classmethod
     def from_spec(cls, spec: NodeSpec) -> Self:
@@ -159,6 +171,7 @@ class VllmEngine:
             kv_timeout_s=options.kv_timeout_s,
             kv_channel=options.kv_channel,
             hold_blocks=options.kv_hold_blocks,
+            stall_timeout_s=options.stall_timeout_s,
         )
 
     # ---- life cycle ---------------------------------------------------------------------
@@ -174,12 +187,14 @@ class VllmEngine:
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger])
         cache = self.llm.vllm_config.cache_config
         self.kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+        self._progress_s = time.monotonic()
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
     async def shutdown(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            self._heartbeat = None
+        for task in (self._heartbeat, self._ping):
+            if task is not None:
+                task.cancel()
+        self._heartbeat = self._ping = None
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
@@ -188,7 +203,35 @@ class VllmEngine:
     async def _beat(self) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
+            self._watch()
             self.reporter.report(force=True)
+
+    def _watch(self) -> None:
+        """Ping the engine core; declare the engine unhealthy when it died or made no progress for too long."""
+        if self._unhealthy or self.llm is None:
+            return
+        if self.llm.errored:
+            self._fail("its engine core died")
+        elif self._ping is None or self._ping.done():
+            self._ping = asyncio.get_running_loop().create_task(self._pinged())
+        elif time.monotonic() - self._progress_s > self.stall_timeout_s:
+            self._fail(f"no step and no answer from its engine core for {self.stall_timeout_s:g} s")
+
+    async def _pinged(self) -> None:
+        await self.llm.is_sleeping()  # a utility call the engine core answers between steps
+        self._progress_s = time.monotonic()
+
+    def _fail(self, reason: str) -> None:
+        """Unhealthy for good: fail every request in flight (vLLM's own path when its engine core dies)."""
+        self._unhealthy = f"{self.node_id}: {reason}"
+        logger.error("%s; failing its requests in flight", self._unhealthy)
+        self.llm.output_processor.propagate_error(EngineUnhealthy(self._unhealthy))
+
+    def check_health(self) -> None:
+        if not self._unhealthy and self.llm is not None and self.llm.errored:
+            self._unhealthy = f"{self.node_id}: its engine core died"
+        if self._unhealthy:
+            raise EngineUnhealthy(self._unhealthy)
 
     def _stat_logger(self, vllm_config: Any, engine_index: int = 0) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -211,6 +254,7 @@ class VllmEngine:
         if stats is None:
             return
         self._waiting, self._kv_usage = stats.num_waiting_reqs, stats.kv_cache_usage
+        self._progress_s = time.monotonic()
         details = stats.iteration_details
         if details is not None and not details.is_dummy and details.elapsed_ms > 0:
             kv_tokens = sum(self._active.values())
@@ -251,7 +295,8 @@ class VllmEngine:
         self.reporter.accepted(rid)
         final = None
         try:
-            async for output in self.llm.generate(self._prompt(request), params, request_id=f"p{rid}"):
+            request_id = f"p{rid}.{request.attempt}"
+            async for output in self.llm.generate(self._prompt(request), params, request_id=request_id):
                 final = output
         finally:
             self._pop_queue(rid)
@@ -344,7 +389,8 @@ class VllmEngine:
         index = 0
         try:
             params = self._sampling(request, request.max_tokens, extra)
-            async for output in self.llm.generate(prompt, params, request_id=f"d{rid}"):
+            request_id = f"d{rid}.{request.attempt}"
+            async for output in self.llm.generate(prompt, params, request_id=request_id):
                 completion = output.outputs[0]
                 ids = list(completion.token_ids)
                 for i, token in enumerate(ids):
@@ -362,7 +408,7 @@ class VllmEngine:
                             )
                     yield TokenEvent(
                         token,
-                        index,
+                        request.output_offset + index,
                         finished,
                         self.node_id,
                         text=completion.text if last else "",
@@ -382,7 +428,9 @@ class VllmEngine:
             view = PrefillNodeView(
                 self.node_id, tuple(self._queue.values()), min(self._prefilled_since_head, head_tokens)
             )
-            return self.reporter.state(view, pinned_kv=self.kv.held, kv_usage=self._kv_usage)
+            return self.reporter.state(
+                view, pinned_kv=self.kv.held, kv_usage=self._kv_usage, healthy=not self._unhealthy
+            )
         kv_tokens = sum(self._active.values())
         decode = DecodeNodeView(
             self.node_id,
@@ -392,7 +440,11 @@ class VllmEngine:
             committed=tuple(self._committed.values()),
         )
         return self.reporter.state(
-            decode, num_waiting=self._waiting, kv_recomputes=self.kv_recomputes, kv_usage=self._kv_usage
+            decode,
+            num_waiting=self._waiting,
+            kv_recomputes=self.kv_recomputes,
+            kv_usage=self._kv_usage,
+            healthy=not self._unhealthy,
         )
 
 

@@ -116,8 +116,32 @@ class ServingConfig(_Strict):
 
     max_in_flight: int = Field(256, ge=1, description="requests admitted at once; beyond: 429 with Retry-After")
     retry_after_s: int = Field(1, ge=1)
+    max_body_bytes: int = Field(4 << 20, ge=1024, description="larger request bodies get 413 at once")
     context_tokens: int = Field(32_768, ge=2, description="prompt + max_tokens must fit")
     decision_timeout_s: float = Field(1.0, gt=0, description="past it, plain disaggregation (counted)")
+    first_token_timeout_s: float = Field(
+        120.0, gt=0, description="a request with no first token by then ends with 504 (retries included)"
+    )
+    token_stall_timeout_s: float = Field(
+        30.0, gt=0, description="a stream with no new token for this long ends with an error event"
+    )
+    max_attempts: int = Field(
+        3, ge=1, description="tries before the first token: a failed node's request is re-decided on the others"
+    )
+    max_migrations: int = Field(
+        2, ge=0, description="after the first token, moves of a request whose decode node failed to another one"
+    )
+    engine_stall_timeout_s: float = Field(
+        ENGINE.stall_timeout_s,
+        gt=0,
+        description="an engine with work that makes no progress (or does not answer a ping) this long is unhealthy",
+    )
+    api_keys: tuple[str, ...] = Field((), description="accepted API keys (Authorization: Bearer); none: open")
+    api_key_env: str | None = Field(
+        "KAIROS_API_KEY", description="environment variable with more API keys (comma-separated)"
+    )
+    api_key_file: str | None = Field(None, description="file with more API keys, one per line")
+    require_api_key: bool = Field(False, description="refuse to start without an API key")
     report_interval_s: float = Field(
         ENGINE.report_interval_s, gt=0, description="engines push state at most this often"
     )
@@ -153,6 +177,7 @@ class ServingConfig(_Strict):
             time_scale=self.time_scale,
             kv_scale=self.kv_scale,
             seed=self.seed,
+            stall_timeout_s=self.engine_stall_timeout_s,
         )
 
 

@@ -3,9 +3,11 @@
 
 A pool (prefill or decode) is one deployment whose replicas are the pool's
 nodes; a node's id is ``<role>-<replica unique id>``. Calls carry the chosen
-node as the ``node`` keyword; ``ChosenNodeRouter`` ranks that replica first. A call
-with no node (a fallback decision), or for a node that is gone (scaled down),
-may go to any replica, so no request is lost while replicas come and go.
+node as the ``node`` keyword; ``ChosenNodeRouter`` ranks that replica first. A
+call with no node (a fallback decision), or for a node that is gone (scaled
+down, replaced), may go to any replica but those in the ``avoid`` keyword
+(nodes that failed this request), so no request is lost while replicas come
+and go.
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ def replica_of(node_id: str) -> str:
 
 
 class ChosenNodeRouter(RequestRouter):
-    """Ranks the replica named by the call's ``node`` keyword first; any replica when none is named or it is gone."""
+    """The replica the call's ``node`` names; else any replica not in ``avoid`` (any at all if none is left)."""
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        wanted = pending_request.kwargs.get("node") if pending_request is not None else None
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        wanted = kwargs.get("node")
         if wanted:
             unique = replica_of(wanted)
             chosen = [r for r in candidate_replicas if r.replica_id.unique_id == unique]
             if chosen:
                 return [chosen]
-        return [candidate_replicas]
+        avoided = {replica_of(node) for node in kwargs.get("avoid") or ()}
+        return [[r for r in candidate_replicas if r.replica_id.unique_id not in avoided] or candidate_replicas]

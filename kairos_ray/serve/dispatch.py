@@ -1,18 +1,32 @@
-"""One request's path through the pools, from the routing decision to its first token.
+"""One request's path through the pools, from the routing decision to its last token, over failures.
 
-``Dispatcher.start`` asks the router (``decision_timeout_s``; if it cannot
+``RequestRun.start`` asks the router (``decision_timeout_s``; if it cannot
 decide, plain disaggregation on any nodes, counted), then runs the route:
 
 - ``deflect``: the chosen decode node prefills the prompt in place per the
   chunk schedule and streams;
 - ``prefill``: the prefill node prefills and returns a ``KVHandoff``; the
-  decode node receives the KV and streams; once its first token is there the
+  decode node receives the KV and streams; once its first token is here the
   prefill node is told to release the KV.
 
-It returns a ``Started``: the ``RouteTaken`` (what the response reports) with
-the first token and the stream of the rest. What the engines did not time
-(routing, RPCs, queues in the serving path) counts as waiting before the
-prefill starts, so the breakdown adds up to the TTFT seen here.
+Failures (the failure model of ``docs/architecture.md``):
+
+- before the first token, a node that fails (its replica or engine died, its
+  engine stalled, the hand-off broke) is avoided and the request re-decided
+  on the others and run again, at most ``max_attempts`` tries in all; the
+  whole wait for the first token is bounded by ``first_token_timeout_s``;
+- after it, a decode node that fails, or sends no token for
+  ``token_stall_timeout_s``, is left for another: the prompt plus the tokens
+  already sent are prefilled there (deflected or handed off, as the router
+  decides) and the stream goes on, at most ``max_migrations`` times;
+- what cannot be served ends with ``RequestFailed`` (503, or 504 past the
+  first-token deadline) before the first token, ``StreamBroken`` after it;
+- ``close`` cancels whatever is still in flight on the engines (which abort
+  the request) and releases a hand-off's KV, whichever way the request ends.
+
+What the engines did not time (routing, RPCs, queues in the serving path)
+counts as waiting before the prefill starts, so the breakdown adds up to the
+TTFT seen here.
 """
 
 from __future__ import annotations
@@ -23,11 +37,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
 from kairos_ray.core import Route
-from kairos_ray.messages import EngineRequest, RoutingReply, TokenEvent, TTFTBreakdown
+from kairos_ray.messages import EngineRequest, KVHandoff, RoutingReply, TokenEvent, TTFTBreakdown
 from kairos_ray.serve.metrics import IngressMetrics
 
 logger = logging.getLogger("ray.serve")
@@ -47,15 +62,38 @@ class RouteTaken:
     fallback: bool  # the router could not decide
     ttft_s: float  # at the ingress
     breakdown: TTFTBreakdown  # adds up to ttft_s
+    attempts: int = 1  # tries it took to the first token
 
 
 @dataclass(frozen=True, slots=True)
-class Started:
-    """A request whose first token is here."""
+class ServingLimits:
+    """The deadlines and retry bounds of a request (from the app's ``serving`` section)."""
 
-    route: RouteTaken
-    first: TokenEvent
-    rest: AsyncIterator[TokenEvent]
+    decision_timeout_s: float
+    first_token_timeout_s: float
+    token_stall_timeout_s: float
+    max_attempts: int
+    max_migrations: int
+
+
+class RequestFailed(Exception):
+    """No first token: answer ``status`` (503: nodes failed; 504: past the deadline) with ``message``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class StreamBroken(Exception):
+    """After the first token the request could not go on (migrations used up): end the stream with an error."""
+
+
+class _NodeFailed(Exception):
+    """A node failed this attempt; ``node`` (if known) is avoided from now on."""
+
+    def __init__(self, node: str | None, cause: BaseException) -> None:
+        super().__init__(f"{node or 'a node'}: {type(cause).__name__}: {cause}")
+        self.node, self.cause = node, cause
 
 
 class Dispatcher:
@@ -66,18 +104,21 @@ class Dispatcher:
         router: DeploymentHandle,
         prefill: DeploymentHandle,
         decode: DeploymentHandle,
-        decision_timeout_s: float,
+        limits: ServingLimits,
         metrics: IngressMetrics,
     ) -> None:
         self.router, self.prefill, self.decode = router, prefill, decode
-        self.decision_timeout_s = decision_timeout_s
+        self.limits = limits
         self.metrics = metrics
 
-    async def _decide(self, request: EngineRequest) -> RoutingReply:
+    def run(self, request: EngineRequest) -> RequestRun:
+        return RequestRun(self, request)
+
+    async def decide(self, request: EngineRequest, avoid: tuple[str, ...]) -> RoutingReply:
         try:
             reply: RoutingReply = await asyncio.wait_for(
-                self.router.decide.remote(request.request_id, request.prompt_tokens, request.max_tokens),
-                self.decision_timeout_s,
+                self.router.decide.remote(request.request_id, request.prompt_tokens, request.max_tokens, avoid),
+                self.limits.decision_timeout_s,
             )
             return reply
         except Exception as exc:  # whatever keeps the router from answering: disaggregate, counted
@@ -85,38 +126,192 @@ class Dispatcher:
             logger.warning("router could not decide (%s: %s); disaggregating", type(exc).__name__, exc)
             return RoutingReply.fallback_for(type(exc).__name__)
 
-    async def start(self, request: EngineRequest) -> Started:
-        """Route the request and wait for its first token."""
-        reply = await self._decide(request)
+
+class RequestRun:
+    """One request from its routing decision to its last token."""
+
+    def __init__(self, dispatcher: Dispatcher, request: EngineRequest) -> None:
+        self.dispatcher, self.request = dispatcher, request
+        self.limits = dispatcher.limits
+        self.route: RouteTaken | None = None
+        self.attempts = 0
+        self.migrations = 0
+        self.sent: list[int] = []  # token ids the client has been sent
+        self._avoid: list[str] = []  # nodes that failed this request
+        self._calls: list[Any] = []  # remote calls of the current attempt, cancelled on close
+        self._stream: Any = None  # the decode node's token stream
+        self._decode_node: str | None = None
+        self._held: KVHandoff | None = None  # a hand-off whose KV the prefill node still holds
+
+    # ---- before the first token ----------------------------------------------------------------
+
+    async def start(self) -> TokenEvent:
+        """Run the request to its first token, retrying on failed nodes; raises ``RequestFailed``."""
+        limits = self.limits
+        failure: _NodeFailed | None = None
+        try:
+            async with asyncio.timeout(limits.first_token_timeout_s):
+                while self.attempts < limits.max_attempts:
+                    try:
+                        first = await self._attempt(self.request)
+                        self.sent.append(first.token_id)
+                        return first
+                    except _NodeFailed as failed:
+                        failure = failed
+                        self._abandon(failed)
+                        self.dispatcher.metrics.retries.inc(tags={"stage": "before_first_token"})
+        except TimeoutError:
+            self.dispatcher.metrics.deadlines.inc(tags={"deadline": "first_token"})
+            self.close()
+            raise RequestFailed(
+                504, f"no first token within {limits.first_token_timeout_s:g} s (first_token_timeout_s)"
+            ) from None
+        raise RequestFailed(503, f"the request failed on {self.attempts} tries; last: {failure}")
+
+    async def _attempt(self, request: EngineRequest) -> TokenEvent:
+        """One try: decide, run the route, wait for the first token; raises ``_NodeFailed``."""
+        request = dataclasses.replace(request, attempt=self.attempts)
+        self.attempts += 1
+        reply = await self.dispatcher.decide(request, tuple(self._avoid))
         decision = reply.decision
-        decode = self.decode.options(stream=True)
-        prefill_node, kv_transport = None, ""
+        avoid = tuple(self._avoid)
+        pools = self.dispatcher
+        decode = pools.decode.options(stream=True)
+        handoff = None
         if decision.route is Route.DEFLECT:
             request = dataclasses.replace(request, chunk_schedule=decision.chunk_schedule)
-            stream = decode.generate.remote(request, None, node=decision.decode_node)
         else:
             request = dataclasses.replace(request, kv_receiver=decision.decode_node or "")
-            handoff = await self.prefill.prefill.remote(request, node=decision.prefill_node)
-            prefill_node, kv_transport = handoff.node_id, handoff.transport  # where it ran
-            stream = decode.generate.remote(request, handoff, node=decision.decode_node)
-        rest = stream.__aiter__()
-        first: TokenEvent = await rest.__anext__()
-        if prefill_node is not None:  # the decode node has the KV: free it on the prefill node
-            self.prefill.release.remote(request.request_id, node=prefill_node)
+            call = pools.prefill.prefill.remote(request, node=decision.prefill_node, avoid=avoid)
+            self._calls = [call]
+            try:
+                handoff = await call
+            except (asyncio.CancelledError, TimeoutError):
+                raise
+            except Exception as exc:
+                raise _NodeFailed(decision.prefill_node, exc) from exc
+            self._held = handoff
+        self._decode_node = decision.decode_node
+        self._stream = decode.generate.remote(request, handoff, node=decision.decode_node, avoid=avoid)
+        self._calls.append(self._stream)
+        try:
+            first: TokenEvent = await self._stream.__anext__()
+        except (asyncio.CancelledError, TimeoutError):
+            raise
+        except Exception as exc:
+            raise _NodeFailed(decision.decode_node, exc) from exc
+        self._decode_node = first.node_id
+        self._release_kv()
+        if self.route is None:  # the route the response reports: the first one that streamed
+            self.route = self._taken(request, reply, handoff, first)
+        return first
+
+    def _taken(
+        self, request: EngineRequest, reply: RoutingReply, handoff: KVHandoff | None, first: TokenEvent
+    ) -> RouteTaken:
+        decision = reply.decision
         ttft_s = time.time() - request.arrival_wall_s
         timed = first.breakdown or TTFTBreakdown()
         breakdown = dataclasses.replace(timed, prefill_queue_s=timed.prefill_queue_s + max(0.0, ttft_s - timed.total_s))
-        self.metrics.ttft.observe(ttft_s, tags={"route": decision.route.value})
-        route = RouteTaken(
+        self.dispatcher.metrics.ttft.observe(ttft_s, tags={"route": decision.route.value})
+        return RouteTaken(
             request_id=request.request_id,
             route=decision.route,
-            prefill_node=prefill_node,
+            prefill_node=handoff.node_id if handoff else None,  # where it ran
             decode_node=first.node_id,
             chunk_schedule=decision.chunk_schedule,
-            kv_transport=kv_transport,
+            kv_transport=handoff.transport if handoff else "",
             reason=decision.reason,
             fallback=reply.fallback,
             ttft_s=ttft_s,
             breakdown=breakdown,
+            attempts=self.attempts,
         )
-        return Started(route, first, rest)
+
+    def _abandon(self, failed: _NodeFailed) -> None:
+        """Give up the current attempt: cancel its calls, free its KV, avoid the node that failed."""
+        logger.warning("request %s: %s; trying again elsewhere", self.request.request_id, failed)
+        self.close()
+        if failed.node is not None and failed.node not in self._avoid:
+            self._avoid.append(failed.node)
+
+    # ---- after the first token -------------------------------------------------------------------
+
+    async def rest(self) -> AsyncIterator[TokenEvent]:
+        """The tokens after the first; migrates on decode failure or stall; raises ``StreamBroken``."""
+        stall_s = self.limits.token_stall_timeout_s
+        while True:
+            try:
+                event: TokenEvent = await asyncio.wait_for(self._stream.__anext__(), stall_s)
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                cause = f"no token for {stall_s:g} s" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}"
+                await self._migrate(cause)
+                continue
+            self.sent.append(event.token_id)
+            yield event
+            if event.finished:
+                return
+
+    async def _migrate(self, cause: str) -> None:
+        """Continue on another decode node from the prompt plus the tokens sent; raises ``StreamBroken``."""
+        failed = self._decode_node
+        self.close()
+        if failed is not None and failed not in self._avoid:
+            self._avoid.append(failed)
+        while self.migrations < self.limits.max_migrations:
+            self.migrations += 1
+            self.dispatcher.metrics.retries.inc(tags={"stage": "migration"})
+            logger.warning(
+                "request %s: decode node %s failed after %d tokens (%s); migrating",
+                self.request.request_id, failed, len(self.sent), cause,
+            )  # fmt: skip
+            try:
+                async with asyncio.timeout(self.limits.first_token_timeout_s):
+                    first = await self._attempt(self._continuation())
+            except (_NodeFailed, TimeoutError) as exc:
+                self.close()
+                failed, cause = getattr(exc, "node", None), type(exc).__name__
+                if failed is not None and failed not in self._avoid:
+                    self._avoid.append(failed)
+                continue
+            self._stream = _prepend(first, self._stream)
+            return
+        raise StreamBroken(f"decode failed after {len(self.sent)} tokens and {self.migrations} migrations ({cause})")
+
+    def _continuation(self) -> EngineRequest:
+        """The request as a new prompt: the original prompt plus the tokens already sent."""
+        original = self.request
+        done = len(self.sent)
+        ids = original.prompt_token_ids + tuple(self.sent) if original.prompt_token_ids else ()
+        return dataclasses.replace(
+            original,
+            prompt_tokens=original.prompt_tokens + done,
+            prompt_token_ids=ids,
+            max_tokens=original.max_tokens - done,
+            output_offset=original.output_offset + done,
+        )
+
+    # ---- however it ends -------------------------------------------------------------------------
+
+    def _release_kv(self) -> None:
+        """The decode node has the KV (or will never take it): the prefill node may free it."""
+        if self._held is not None:
+            self.dispatcher.prefill.release.remote(self.request.request_id, node=self._held.node_id)
+            self._held = None
+
+    def close(self) -> None:
+        """Cancel what is in flight on the engines and release a held hand-off; idempotent."""
+        for call in self._calls:
+            call.cancel()
+        self._calls = []
+        self._release_kv()
+
+
+async def _prepend(first: TokenEvent, rest: Any) -> AsyncIterator[TokenEvent]:
+    yield first
+    async for event in rest:
+        yield event

@@ -26,8 +26,16 @@ from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role, Token
 from kairos_ray.serve.args import PoolConfig, ServingConfig
 from kairos_ray.serve.autoscaling import KV_FREE_SHARE, PREFILL_WAIT, TBT_HEADROOM
 
+HEALTH_CHECK_PERIOD_S = 2.0  # Serve asks every replica this often whether its engine is healthy
+HEALTH_CHECK_TIMEOUT_S = 20.0  # a replica that does not answer in time (its process hung) is replaced
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=120)
+
+@serve.deployment(
+    ray_actor_options={"num_cpus": 0},
+    graceful_shutdown_timeout_s=120,
+    health_check_period_s=HEALTH_CHECK_PERIOD_S,
+    health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
+)
 class EngineServer:
     """A node of the ``role`` pool."""
 
@@ -67,17 +75,23 @@ class EngineServer:
         # Fire and forget; the last few responses stay referenced while they are in flight.
         self._reports.append(self.router.report.remote(state))
 
-    async def prefill(self, request: EngineRequest, node: str | None = None) -> KVHandoff:
+    # ``node`` and ``avoid`` are for ``serve.delivery.ChosenNodeRouter``, which picks the replica.
+
+    async def prefill(self, request: EngineRequest, node: str | None = None, avoid: tuple[str, ...] = ()) -> KVHandoff:
         return await self.engine.prefill(request)
 
     async def release(self, request_id: int, node: str | None = None) -> None:
         self.engine.release(request_id)
 
     async def generate(
-        self, request: EngineRequest, handoff: KVHandoff | None, node: str | None = None
+        self, request: EngineRequest, handoff: KVHandoff | None, node: str | None = None, avoid: tuple[str, ...] = ()
     ) -> AsyncIterator[TokenEvent]:
         async for event in self.engine.generate(request, handoff):
             yield event
+
+    def check_health(self) -> None:
+        """Serve's health check: an engine that died or stalled fails it, and Serve replaces this replica."""
+        self.engine.check_health()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Kairos's signals for ``serve.autoscaling.KairosPoolPolicy``, from this node's own view."""

@@ -1,36 +1,50 @@
-"""OpenAI-compatible ingress: validate, admit, dispatch, stream the tokens.
+"""OpenAI-compatible ingress: authenticate, admit, validate, dispatch, stream the tokens.
 
 One request's path:
 
-1. validate the body (400 with an OpenAI error object otherwise) and count
-   its prompt tokens (``serve.tokens``); prompt + max_tokens must fit the context;
-2. admit it if fewer than ``max_in_flight`` requests are in flight, else 429
-   with ``Retry-After``;
-3. run it over the router and the pools until its first token (``serve.dispatch``);
-4. answer, streamed or not (``serve.responses``), with the route, nodes and
-   TTFT breakdown in ``x-kairos-*`` headers and in a ``kairos`` field of the
-   body, which OpenAI clients ignore.
+1. the API key, when one is set (``serve.auth``): 401 otherwise;
+2. admission, before any expensive work: a slot if fewer than
+   ``max_in_flight`` requests are in flight, else 429 with ``Retry-After``;
+   the slot is released exactly once however the request ends
+   (``serve.admission``);
+3. the body: 413 past ``max_body_bytes``, 400 with an OpenAI error object
+   naming the field for anything that is not a valid request; large bodies
+   are parsed and prompts tokenized off the event loop (``serve.tokens``);
+   prompt + max_tokens must fit the context;
+4. the request runs over the router and the pools (``serve.dispatch``), with
+   retries before its first token and migrations after it; what cannot be
+   served is a 503/504 error object before the first byte, an SSE ``error``
+   event then ``[DONE]`` after it;
+5. the answer, streamed or not (``serve.responses``), reports the route,
+   nodes and TTFT breakdown in ``x-kairos-*`` headers and in a ``kairos``
+   field of the body, which OpenAI clients ignore.
+
+A client that goes away cancels its request: the engines abort it and the
+prefill node releases its KV.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from kairos_ray.messages import EngineRequest, TokenEvent
+from kairos_ray.serve.admission import Admission, GuardedStream
 from kairos_ray.serve.args import ServingConfig
-from kairos_ray.serve.dispatch import Dispatcher, Started
+from kairos_ray.serve.auth import ApiKeys
+from kairos_ray.serve.dispatch import Dispatcher, RequestFailed, RequestRun, ServingLimits, StreamBroken
 from kairos_ray.serve.metrics import IngressMetrics
 from kairos_ray.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from kairos_ray.serve.responses import ResponseWriter, route_headers
@@ -39,16 +53,39 @@ from kairos_ray.serve.tokens import PromptTokenizer
 logger = logging.getLogger("ray.serve")
 app = FastAPI(title="Kairos-Ray", description="OpenAI-compatible serving with load-aware prefill deflection")
 
+OFF_LOOP_BYTES = 64 << 10  # bodies at least this large are parsed and tokenized in a thread
+
+
+class BadRequest(Exception):
+    """A request the ingress refuses before admitting its work: ``status`` and an OpenAI error's message and param."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
 
 def _error(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse(error_body(message, param, kind), status_code=status, headers=headers)
+    kind = {401: "authentication_error", 413: "invalid_request_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error"
+    )
+    return JSONResponse(error_body(message, param, kind, status), status_code=status, headers=headers)
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     err = exc.errors()[0]
     param = ".".join(str(p) for p in err["loc"]) or None
-    return f"{param}: {err['msg']} (got {err.get('input')!r})" if param else err["msg"], param
+    value = repr(err.get("input"))
+    value = value if len(value) <= 80 else value[:77] + "..."
+    return f"{param}: {err['msg'].removeprefix('Value error, ')} (got {value})" if param else err["msg"], param
+
+
+def _parse(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequest(400, "request body is not valid JSON") from None
+    except RecursionError:
+        raise BadRequest(400, "request body is nested too deeply") from None
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=2048)
@@ -65,21 +102,37 @@ class Ingress:
     ) -> None:
         self.model_id = model_id
         self.tokenize = PromptTokenizer(tokenizer)
-        self.opts = ServingConfig.model_validate(serving)
-        self.in_flight = 0
+        self.opts = opts = ServingConfig.model_validate(serving)
+        self.keys = ApiKeys.gather(opts.api_keys, opts.api_key_env, opts.api_key_file)
+        if opts.require_api_key and not self.keys.required:
+            raise ValueError(
+                f"serving.require_api_key is set but no API key was found (serving.api_keys, the environment "
+                f"variable {opts.api_key_env} or serving.api_key_file)"
+            )
+        self.admission = Admission(opts.max_in_flight)
         self._ids = itertools.count(random.getrandbits(30) << 20)
         self.metrics = IngressMetrics()
-        self.dispatcher = Dispatcher(router, prefill, decode, self.opts.decision_timeout_s, self.metrics)
+        limits = ServingLimits(
+            opts.decision_timeout_s,
+            opts.first_token_timeout_s,
+            opts.token_stall_timeout_s,
+            opts.max_attempts,
+            opts.max_migrations,
+        )
+        self.dispatcher = Dispatcher(router, prefill, decode, limits, self.metrics)
 
     # ---- plain endpoints -------------------------------------------------------------------
 
     @app.get("/health")
     async def health(self) -> dict[str, Any]:
-        return {"status": "ok", "in_flight": self.in_flight}
+        return {"status": "ok", "in_flight": self.admission.in_flight}
 
     @app.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "owned_by": "kairos-ray"}]}
+    async def models(self, request: Request) -> Response:
+        if not self.keys.allows(request.headers.get("authorization")):
+            return self._unauthorized()
+        data = [{"id": self.model_id, "object": "model", "owned_by": "kairos-ray"}]
+        return JSONResponse({"object": "list", "data": data})
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -91,90 +144,140 @@ class Ingress:
 
     # ---- one request -------------------------------------------------------------------------
 
-    def _bad_request(self, message: str, param: str | None = None) -> JSONResponse:
-        self.metrics.rejected.inc(tags={"reason": "bad-request"})
-        return _error(400, message, param)
+    def _unauthorized(self) -> JSONResponse:
+        self.metrics.rejected.inc(tags={"reason": "unauthorized"})
+        return _error(
+            401, "a valid API key is required: Authorization: Bearer <key>", headers={"WWW-Authenticate": "Bearer"}
+        )
 
     async def _serve(
         self, request: Request, kind: type[CompletionRequest | ChatCompletionRequest], chat: bool
     ) -> Response:
+        if not self.keys.allows(request.headers.get("authorization")):
+            return self._unauthorized()
+        slot = self.admission.try_acquire()
+        if slot is None:
+            self.metrics.rejected.inc(tags={"reason": "overload"})
+            retry_s = self.opts.retry_after_s
+            message = f"server busy: {self.admission.in_flight} requests in flight; retry after {retry_s} s"
+            return _error(429, message, headers={"Retry-After": str(retry_s)})
+        streaming = False
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return self._bad_request("request body is not valid JSON")
-        if not isinstance(body, dict):
-            return self._bad_request("request body must be a JSON object")
+            try:
+                req, prompt_tokens, prompt_ids = await self._validated(request, kind, chat)
+            except BadRequest as bad:
+                reason = "too-large" if bad.status == 413 else "bad-request"
+                self.metrics.rejected.inc(tags={"reason": reason})
+                return _error(bad.status, bad.message, bad.param)
+            engine_request = EngineRequest(
+                next(self._ids),
+                prompt_tokens,
+                req.output_tokens,
+                time.time(),
+                prompt_token_ids=prompt_ids,
+                sampling=req.sampling(),
+            )
+            run = self.dispatcher.run(engine_request)
+            try:
+                first = await run.start()
+            except RequestFailed as failed:
+                logger.warning("request %s failed: %s", engine_request.request_id, failed.message)
+                return _error(failed.status, failed.message)
+            except BaseException:
+                run.close()
+                raise
+            assert run.route is not None
+            writer = ResponseWriter(self.model_id, chat, run.route, prompt_tokens)
+            headers = route_headers(run.route)
+            if req.stream:
+
+                def done() -> None:
+                    run.close()
+                    slot.release()
+
+                events = self._sse(writer, run, first, req.include_usage)
+                streaming = True
+                return GuardedStream(events, done, media_type="text/event-stream", headers=headers)
+            try:
+                tokens = [first, *[event async for event in self._timed(run)]]
+            except StreamBroken as broken:
+                return _error(503, f"request failed after its first token: {broken}")
+            finally:
+                run.close()
+            return JSONResponse(writer.full(tokens), headers=headers)
+        finally:
+            if not streaming:
+                slot.release()
+
+    async def _validated(
+        self, request: Request, kind: type[CompletionRequest | ChatCompletionRequest], chat: bool
+    ) -> tuple[CompletionRequest | ChatCompletionRequest, int, tuple[int, ...]]:
+        """The parsed request and its prompt's token count and ids; raises ``BadRequest``."""
+        body = await self._body(request)
+        data = await asyncio.to_thread(_parse, body) if len(body) >= OFF_LOOP_BYTES else _parse(body)
+        if not isinstance(data, dict):
+            raise BadRequest(400, "request body must be a JSON object")
         try:
-            req = kind.model_validate(body)
+            req = kind.model_validate(data)
         except ValidationError as exc:
-            return self._bad_request(*_validation_message(exc))
+            raise BadRequest(400, *_validation_message(exc)) from None
         if req.model != self.model_id:
-            return self._bad_request(f"model {req.model!r} is not served here; available: {self.model_id!r}", "model")
-        prompt_param = "messages" if chat else "prompt"
+            raise BadRequest(400, f"model {req.model!r} is not served here; available: {self.model_id!r}", "model")
+        param = "messages" if chat else "prompt"
         try:
-            prompt_tokens, prompt_ids = self.tokenize(req)
+            if len(body) >= OFF_LOOP_BYTES:
+                prompt_tokens, prompt_ids = await asyncio.to_thread(self.tokenize, req)
+            else:
+                prompt_tokens, prompt_ids = self.tokenize(req)
         except ValueError as exc:
-            return self._bad_request(str(exc), prompt_param)
+            raise BadRequest(400, str(exc), param) from None
+        if prompt_tokens < 1:
+            raise BadRequest(400, f"{param} is empty: it has no tokens", param)
         if prompt_tokens + req.output_tokens > self.opts.context_tokens:
-            return self._bad_request(
+            raise BadRequest(
+                400,
                 f"prompt ({prompt_tokens} tokens) plus max_tokens ({req.output_tokens}) exceeds the "
                 f"{self.opts.context_tokens}-token context",
-                prompt_param,
+                param,
             )
-        if self.in_flight >= self.opts.max_in_flight:
-            self.metrics.rejected.inc(tags={"reason": "overload"})
-            return _error(
-                429,
-                f"server busy: {self.in_flight} requests in flight; retry after {self.opts.retry_after_s} s",
-                headers={"Retry-After": str(self.opts.retry_after_s)},
-            )
-        self.in_flight += 1
-        engine_request = EngineRequest(
-            next(self._ids),
-            prompt_tokens,
-            req.output_tokens,
-            time.time(),
-            prompt_token_ids=prompt_ids,
-            sampling=req.sampling(),
-        )
-        try:
-            started = await self.dispatcher.start(engine_request)
-        except Exception as exc:
-            self.in_flight -= 1
-            logger.exception("request failed before its first token")
-            return _error(500, f"request failed: {type(exc).__name__}: {exc}")
-        writer = ResponseWriter(self.model_id, chat, started.route, prompt_tokens)
-        headers = route_headers(started.route)
-        if req.stream:
-            return StreamingResponse(
-                self._sse(writer, started, req.include_usage), media_type="text/event-stream", headers=headers
-            )
-        try:
-            tokens = [started.first]
-            tokens += [event async for event in self._timed(started)]
-        finally:
-            self.in_flight -= 1
-        return JSONResponse(writer.full(tokens), headers=headers)
+        return req, prompt_tokens, prompt_ids
 
-    async def _timed(self, started: Started) -> AsyncIterator[TokenEvent]:
+    async def _body(self, request: Request) -> bytes:
+        """The raw body, refused with 413 as soon as it passes ``max_body_bytes``."""
+        limit = self.opts.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise BadRequest(413, f"request body of {int(declared)} bytes exceeds the {limit}-byte limit")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BadRequest(413, f"request body exceeds the {limit}-byte limit")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _timed(self, run: RequestRun) -> AsyncIterator[TokenEvent]:
         """The tokens after the first, observing every gap."""
-        route = started.route.route.value
+        route = run.route.route.value if run.route else ""
         last_s = time.monotonic()
-        async for event in started.rest:
+        async for event in run.rest():
             now = time.monotonic()
             self.metrics.tbt.observe(now - last_s, tags={"route": route})
             last_s = now
             yield event
 
-    async def _sse(self, writer: ResponseWriter, started: Started, include_usage: bool) -> AsyncIterator[str]:
+    async def _sse(
+        self, writer: ResponseWriter, run: RequestRun, first: TokenEvent, include_usage: bool
+    ) -> AsyncGenerator[str, None]:
+        count = 1
+        yield writer.token(first)
         try:
-            count = 1
-            yield writer.token(started.first)
-            async for event in self._timed(started):
+            async for event in self._timed(run):
                 count += 1
                 yield writer.token(event)
+        except StreamBroken as broken:
+            yield writer.error(f"request failed after {count} tokens: {broken}")
+        else:
             if include_usage:
                 yield writer.usage(count)
-            yield writer.done()
-        finally:
-            self.in_flight -= 1
+        yield writer.done()

@@ -12,7 +12,9 @@
 | kairos_node_batch_size | gauge | node | decoding requests on a decode node |
 | kairos_node_kv_tokens | gauge | node | resident KV tokens on a decode node |
 | kairos_step_seconds | gauge | node, source | last step time: measured, or predicted by the step-latency model |
-| kairos_rejected | counter | reason | requests refused (overload, bad-request) |
+| kairos_rejected | counter | reason | requests refused (overload, bad-request, too-large, unauthorized) |
+| kairos_retries | counter | stage | before_first_token: a failed try run again elsewhere; migration: moved mid-stream |
+| kairos_deadlines | counter | deadline | requests ended by a deadline (first_token) |
 | kairos_kv_recomputes | gauge | node | decode node: hand-offs whose KV was lost or late, recomputed (cumulative) |
 | kairos_predictor_mape | gauge | | live error of the step-latency model on recent reported steps (online refit on) |
 | kairos_predictor_refits | counter | | refits the router adopted |
@@ -86,3 +88,5 @@ class IngressMetrics:
         )
         self.fallbacks = Counter("kairos_decisions", "routing decisions", tag_keys=("route", "reason"))  # type: ignore[arg-type]
         self.rejected = Counter("kairos_rejected", "requests refused", tag_keys=("reason",))
+        self.retries = Counter("kairos_retries", "requests re-run after a node failed", tag_keys=("stage",))
+        self.deadlines = Counter("kairos_deadlines", "requests ended by a deadline", tag_keys=("deadline",))

@@ -30,7 +30,7 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False  # vLLM's extension: always generate max_tokens
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # vLLM's range: a 64-bit signed integer
 
     def sampling(self) -> dict[str, Any]:
         """vLLM ``SamplingParams`` fields of this request."""
@@ -52,11 +52,13 @@ class CompletionRequest(_Request):
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, value: str | list[int] | list[str]) -> str | list[int] | list[str]:
-        if isinstance(value, list):
-            if not value:
-                raise ValueError("prompt must not be empty")
-            if isinstance(value[0], str) and len(value) != 1:
+        if not value:
+            raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and isinstance(value[0], str):
+            if len(value) != 1:
                 raise ValueError("one prompt per request (batches of prompts are not supported)")
+            if not value[0]:
+                raise ValueError("prompt must not be empty")
         return value
 
     def prompt_tokens(self) -> int:
@@ -73,6 +75,14 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, value: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        for part in value if isinstance(value, list) else ():
+            if part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text content parts are served here, got {part.get('type')!r}")
+        return value
+
     def words(self) -> int:
         if isinstance(self.content, str):
             return len(self.content.split())
@@ -88,6 +98,8 @@ class ChatCompletionRequest(_Request):
         return sum(4 + m.words() for m in self.messages)
 
 
-def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict[str, Any]:
-    """OpenAI's error object."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def error_body(
+    message: str, param: str | None = None, kind: str = "invalid_request_error", code: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's error object (``code``: the HTTP status, as vLLM's server gives it)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

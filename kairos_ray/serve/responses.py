@@ -14,6 +14,7 @@ from typing import Any
 
 from kairos_ray.messages import TokenEvent
 from kairos_ray.serve.dispatch import RouteTaken
+from kairos_ray.serve.protocol import error_body
 
 
 def route_headers(route: RouteTaken) -> dict[str, str]:
@@ -118,6 +119,10 @@ class ResponseWriter:
     def usage(self, completion_tokens: int) -> str:
         """The closing usage event (``stream_options.include_usage``)."""
         return self._event(self._chunk([], usage=usage(self.prompt_tokens, completion_tokens)))
+
+    def error(self, message: str) -> str:
+        """An OpenAI error object as a stream event: the stream cannot go on (``[DONE]`` follows)."""
+        return self._event(error_body(message, None, "server_error", 503))
 
     @staticmethod
     def done() -> str:

@@ -14,7 +14,9 @@ cluster is built from two sources:
   any case.
 
 Nodes join by reporting (pools scale) and leave when they have not reported
-for ``node_timeout_s`` (engines send a heartbeat every second when idle).
+for ``node_timeout_s`` (engines send a heartbeat every second when idle), or
+at once when they report themselves unhealthy (their engine died or stalled).
+A request that failed on some nodes is decided without them (``avoid``).
 
 ``Router`` is the Serve deployment around it (one replica), with metrics and
 the online refit of the step-latency model.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,19 +64,24 @@ class RouterState:
         self.pending: dict[int, _Pending] = {}  # request id -> its undelivered decision
 
     def report(self, state: NodeState, now: float) -> None:
-        self.states[state.node_id] = state
-        self.received[state.node_id] = now
+        """Take a node's report; a node that reports itself unhealthy leaves the view at once."""
         for rid in state.accepted_request_ids:
             self.pending.pop(rid, None)
+        if not state.healthy:
+            self.states.pop(state.node_id, None)
+            self.received.pop(state.node_id, None)
+            return
+        self.states[state.node_id] = state
+        self.received[state.node_id] = now
 
     def forget_silent_nodes(self, now: float) -> None:
         for node in [n for n, seen in self.received.items() if now - seen > self.node_timeout_s]:
             del self.states[node], self.received[node]
 
-    def view(self, now: float) -> tuple[ClusterView, float]:
-        """(view, staleness in seconds of the oldest report in it)."""
+    def view(self, now: float, avoid: Collection[str] = ()) -> tuple[ClusterView, float]:
+        """(view, staleness in seconds of the oldest report in it), without the nodes in ``avoid``."""
         self.forget_silent_nodes(now)
-        views = [self.states[node].view for node in sorted(self.states)]
+        views = [self.states[node].view for node in sorted(self.states) if node not in avoid]
         prefill = tuple(v for v in views if isinstance(v, PrefillNodeView))
         decode = tuple(v for v in views if isinstance(v, DecodeNodeView))
         if not prefill or not decode:
@@ -86,9 +94,11 @@ class RouterState:
                 view = apply_decision(view, pending.prompt_tokens, pending.decision, pending.output_tokens)
         return view, now - min(self.received.values())
 
-    def decide(self, request_id: int, prompt_tokens: int, output_tokens: int, now: float) -> tuple[Decision, float]:
-        """(decision, staleness); raises ``MissingState`` before every node has reported."""
-        view, staleness = self.view(now)
+    def decide(
+        self, request_id: int, prompt_tokens: int, output_tokens: int, now: float, avoid: Collection[str] = ()
+    ) -> tuple[Decision, float]:
+        """(decision, staleness) on the nodes not in ``avoid``; raises ``MissingState`` while a pool has none."""
+        view, staleness = self.view(now, avoid)
         decision = self.policy.decide(prompt_tokens, view)
         self.pending[request_id] = _Pending(prompt_tokens, output_tokens, decision, now)
         return decision, staleness
@@ -105,9 +115,12 @@ class Router:
         self.metrics = RouterMetrics()
         self.refit = OnlineRefit(refit_every_steps) if refit_every_steps else None
 
-    async def decide(self, request_id: int, prompt_tokens: int, output_tokens: int) -> RoutingReply:
+    async def decide(
+        self, request_id: int, prompt_tokens: int, output_tokens: int, avoid: tuple[str, ...] = ()
+    ) -> RoutingReply:
+        """Decide on the live nodes but those in ``avoid`` (they failed this request)."""
         start = time.perf_counter()
-        decision, staleness = self.state.decide(request_id, prompt_tokens, output_tokens, time.monotonic())
+        decision, staleness = self.state.decide(request_id, prompt_tokens, output_tokens, time.monotonic(), avoid)
         decision_s = time.perf_counter() - start
         self.metrics.decided(decision, decision_s, staleness)
         return RoutingReply(decision, decision_s, staleness)

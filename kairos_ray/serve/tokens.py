@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jinja2 import TemplateError
+
 from kairos_ray.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -29,7 +31,10 @@ class PromptTokenizer:
             return request.prompt_tokens(), ()
         if isinstance(request, ChatCompletionRequest):
             messages = [m.model_dump(exclude_none=True) for m in request.messages]
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            try:
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            except (TemplateError, TypeError, KeyError, IndexError) as exc:  # the template refused these messages
+                raise ValueError(f"the chat template cannot render these messages: {exc}") from None
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers return an encoding
                 ids = ids["input_ids"]
         elif isinstance(request.prompt, list) and isinstance(request.prompt[0], int):

@@ -1,0 +1,379 @@
+"""Faults on the emulated 2P2D app under real Ray and Serve: no request lost, hung or leaked.
+
+The app deflects prompts of up to 2,000 tokens (``sl:2000``) and disaggregates
+longer ones, so each test picks its route by the prompt's length. Deadlines
+are short so that a fault shows within seconds. A second application on the
+same Serve instance requires an API key.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import ray
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from ray import serve
+
+from kairos_ray.bench import faults
+from kairos_ray.engines.emulated import token_id
+from kairos_ray.messages import Role
+from kairos_ray.serve import build_app
+
+from .conftest import MODEL, app_args, running_app
+
+KEY = "sk-kairos-test"
+LIMITS = {
+    "first_token_timeout_s": 8.0,
+    "token_stall_timeout_s": 3.0,
+    "max_body_bytes": 1 << 20,
+    "max_in_flight": 48,
+}
+
+
+@pytest.fixture(scope="module")
+def app():
+    args = app_args(**LIMITS)
+    args["kairos"]["policy"]["name"] = "sl:2000"
+    with running_app(args, MODEL, ready_within_s=120) as (url, metrics_url):
+        secured = app_args(api_keys=[KEY])
+        serve.run(build_app(secured), name="secured", route_prefix="/secured")
+        yield url, metrics_url
+
+
+def healthy(url: str) -> dict:
+    return httpx.get(f"{url}/health", timeout=30).json()
+
+
+def wait_until(condition, timeout_s: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what} not met within {timeout_s} s"
+        time.sleep(0.2)
+
+
+def node_states():
+    return serve.get_deployment_handle("Router", app_name="kairos").snapshot.remote().result()
+
+
+def idle(states) -> bool:
+    """Every node of both pools reported, with nothing queued, decoding or committed."""
+    prefill = [s for s in states.values() if s.role is Role.PREFILL]
+    decode = [s for s in states.values() if s.role is Role.DECODE]
+    return (
+        len(prefill) == 2
+        and len(decode) == 2
+        and all(not s.view.queued_prompt_tokens for s in prefill)
+        and all(s.view.batch_size == 0 and not s.view.committed for s in decode)
+    )
+
+
+def stream_events(url: str, body: dict, on_token=None, timeout_s: float = 120.0):
+    """(status, headers, parsed data events, saw [DONE]) of a streamed completion."""
+    events, done = [], False
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={"model": MODEL, "stream": True, **body}, timeout=timeout_s
+    ) as r:
+        if r.status_code != 200:
+            return r.status_code, r.headers, [json.loads(r.read())], False
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                continue
+            event = json.loads(line[6:])
+            events.append(event)
+            if on_token is not None and event.get("choices"):
+                on_token(event)
+        return r.status_code, r.headers, events, done
+
+
+def test_clients_that_give_up_leak_no_slot_and_their_requests_leave_the_engines(app):
+    url, _ = app
+    wait_until(lambda: idle(node_states()), what="an idle app")
+
+    async def give_up():
+        async with httpx.AsyncClient(base_url=url, timeout=0.5) as client:
+
+            async def one(i: int):
+                # 16,000 tokens: far from a first token within 0.5 s, on either route
+                body = {"model": MODEL, "prompt": list(range(16_000)), "max_tokens": 2000, "stream": i % 2 == 0}
+                with pytest.raises(httpx.TimeoutException):
+                    if body["stream"]:
+                        async with client.stream("POST", "/v1/completions", json=body) as r:
+                            async for _ in r.aiter_lines():
+                                pass
+                    else:
+                        await client.post("/v1/completions", json=body)
+
+            await asyncio.gather(*(one(i) for i in range(8)))
+
+    asyncio.run(give_up())
+    wait_until(lambda: healthy(url)["in_flight"] == 0, timeout_s=30, what="no request in flight")
+    # their prefills and decodes were dropped, not run to their 2,000th token
+    wait_until(lambda: idle(node_states()), timeout_s=30, what="engines free of the abandoned requests")
+    assert (
+        httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "still", "max_tokens": 2}).status_code
+        == 200
+    )
+
+
+class AfterTokens:
+    """Calls ``fault(decode node)`` once the stream has sent ``count`` tokens."""
+
+    def __init__(self, count: int, fault) -> None:
+        self.count, self.fault, self.seen, self.node, self.done = count, fault, 0, None, False
+
+    def __call__(self, event: dict) -> None:
+        self.node = self.node or event.get("kairos", {}).get("decode_node")
+        self.seen += 1
+        if self.seen == self.count and not self.done:
+            self.fault(self.node)
+            self.done = True
+
+
+def token_ids(events: list[dict]) -> tuple[int, list[int]]:
+    """(request id, the emulated token ids streamed)."""
+    rid = int(events[0]["id"].split("-", 1)[1])
+    return rid, [int(e["choices"][0]["text"].removeprefix(" tok")) for e in events if e.get("choices")]
+
+
+def test_a_decode_replica_killed_mid_stream_is_migrated_and_the_stream_goes_on(app):
+    url, metrics_url = app
+    kill = AfterTokens(5, lambda node: faults.kill_replica("kairos", node))
+    status, _, events, done = stream_events(url, {"prompt": list(range(1000)), "max_tokens": 120}, kill)
+    assert status == 200 and done and kill.done
+    rid, ids = token_ids(events)
+    assert ids == [token_id(rid, i) for i in range(120)]  # every token once, in order, across the move
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert not any("error" in e for e in events)
+    wait_until(lambda: 'stage="migration"' in httpx.get(metrics_url, timeout=10).text, what="a counted migration")
+
+
+def test_a_prefill_replica_killed_with_queued_requests_loses_none(app):
+    url, _ = app
+    wait_until(lambda: idle(node_states()), what="an idle app")
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            body = {"model": MODEL, "prompt": list(range(12_000)), "max_tokens": 3}
+            sends = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(8)]
+            await asyncio.sleep(0.3)  # queued on the prefill nodes by now
+            states = await asyncio.to_thread(node_states)
+            victim = next(n for n, s in states.items() if s.role is Role.PREFILL and s.view.queued_prompt_tokens)
+            await asyncio.to_thread(faults.kill_replica, "kairos", victim)
+            return await asyncio.gather(*sends)
+
+    responses = asyncio.run(burst())
+    assert [r.status_code for r in responses] == [200] * 8
+    assert all(r.json()["usage"]["completion_tokens"] == 3 for r in responses)
+    wait_until(lambda: healthy(url)["in_flight"] == 0, what="no request in flight")
+
+
+def test_the_router_killed_falls_back_and_comes_back(app):
+    url, _ = app
+    faults.kill_replica("kairos", "Router")
+    responses = [
+        httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x y", "max_tokens": 2}, timeout=60)
+        for _ in range(3)
+    ]
+    assert [r.status_code for r in responses] == [200] * 3
+    wait_until(
+        lambda: (
+            httpx.post(
+                f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}, timeout=60
+            ).headers.get("x-kairos-fallback")
+            == "0"
+        ),
+        timeout_s=90,
+        what="routing decisions again",
+    )
+
+
+def test_a_hung_node_past_the_first_token_deadline_answers_504_never_hangs(app):
+    url, _ = app
+    wait_until(lambda: idle(node_states()), what="an idle app")
+    prefill = [n for n, s in node_states().items() if s.role is Role.PREFILL]
+    pids = [faults.replica_pid(faults.replica("kairos", n)) for n in prefill]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        r = httpx.post(
+            f"{url}/v1/completions", json={"model": MODEL, "prompt": list(range(5000)), "max_tokens": 2}, timeout=60
+        )
+        elapsed = time.monotonic() - start
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    assert r.status_code in (503, 504), r.text
+    error = r.json()["error"]
+    assert error["message"] and error["code"] == r.status_code
+    assert elapsed < LIMITS["first_token_timeout_s"] + 20
+    wait_until(lambda: healthy(url)["in_flight"] == 0, what="no request in flight")
+
+
+def test_a_stalled_decode_stream_migrates_after_the_stall_deadline(app):
+    url, _ = app
+    wait_until(lambda: idle(node_states()), timeout_s=120, what="an idle app")
+    stopped = []
+
+    def stop(node: str) -> None:
+        pid = faults.replica_pid(faults.replica("kairos", node))
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+
+    stall = AfterTokens(3, stop)
+    try:
+        status, _, events, done = stream_events(url, {"prompt": list(range(500)), "max_tokens": 40}, stall)
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    assert stopped and status == 200 and done
+    rid, ids = token_ids(events)
+    assert ids == [token_id(rid, i) for i in range(40)]
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": MODEL, "prompt": ""}, "prompt"),
+        ({"model": MODEL, "prompt": [""]}, "prompt"),
+        ({"model": MODEL, "prompt": []}, "prompt"),
+        ({"model": MODEL, "prompt": "x", "seed": 99999999999999999999999}, "seed"),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            },
+            "messages.0.content",
+        ),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_field(app, body, param):
+    url, _ = app
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = httpx.post(f"{url}{path}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_deep_nesting_and_huge_bodies_are_refused_at_once(app):
+    url, _ = app
+    deep = b'{"model": "x", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = httpx.post(f"{url}/v1/completions", content=deep, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+    huge = json.dumps({"model": MODEL, "prompt": "word " * 5_000_000}).encode()  # 25 MB
+    r = httpx.post(f"{url}/v1/completions", content=huge, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the limit holds on the stream too
+        for _ in range(40):
+            yield b" " * (64 << 10)
+
+    r = httpx.post(f"{url}/v1/completions", content=chunks(), headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413
+    assert healthy(url)["in_flight"] == 0
+    assert (
+        httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 1}).status_code == 200
+    )
+
+
+def test_the_api_key_is_required_where_one_is_set(app):
+    url, _ = app
+    secured = f"{url}/secured"
+    body = {"model": MODEL, "prompt": "a b", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(f"{secured}/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 401, headers
+        assert r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{secured}/v1/models", timeout=30).status_code == 401
+    assert httpx.get(f"{secured}/health", timeout=30).status_code == 200  # open to probes
+    wait_until(
+        lambda: (
+            httpx.post(
+                f"{secured}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+            ).status_code
+            == 200
+        ),
+        what="the secured app serving",
+    )
+    r = httpx.get(f"{secured}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL
+
+
+def test_the_ray_session_is_the_apps(app):
+    """A guard on the helpers above: the fault injection finds this app's replicas."""
+    assert len(faults.replica_names("kairos", "decode")) == 2 and ray.is_initialized()
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+FIELDS = {
+    "model": st.just(MODEL) | JSON,
+    "prompt": st.text(max_size=40)
+    | st.lists(st.integers(-3, 1200), max_size=40)
+    | st.lists(st.text(max_size=8), max_size=3)
+    | JSON,
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", "assistant"]) | JSON, "content": st.text(max_size=20) | JSON}
+        ),
+        max_size=3,
+    )
+    | JSON,
+    "max_tokens": st.integers(-2, 24) | JSON,
+    "max_completion_tokens": st.integers(-2, 24) | JSON,
+    "temperature": st.floats(-1, 3) | JSON,
+    "top_p": st.floats(-1, 2) | JSON,
+    "n": st.integers(-1, 3) | JSON,
+    "seed": st.integers(-(2**70), 2**70) | JSON,
+    "stream": st.booleans() | JSON,
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans() | JSON}) | JSON,
+    "ignore_eos": st.booleans() | JSON,
+}
+BODIES = st.fixed_dictionaries({}, optional=FIELDS) | JSON
+
+
+@settings(max_examples=2000, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=BODIES, chat=st.booleans(), raw=st.none() | st.binary(max_size=64))
+def fuzz_once(client: httpx.Client, codes: list[int], body, chat: bool, raw: bytes | None) -> None:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    content = raw if raw is not None else json.dumps(body).encode()
+    with client.stream("POST", path, content=content, headers={"content-type": "application/json"}) as r:
+        r.read()
+        codes.append(r.status_code)
+        assert r.status_code < 500, (r.status_code, content[:300], r.text[:300])
+
+
+def test_generated_bodies_never_get_a_5xx_and_the_app_keeps_serving(app):
+    """Thousands of generated bodies (valid, almost valid and garbage) against a live emulated app."""
+    url, _ = app
+    fast = app_args(time_scale=0.001)
+    serve.run(build_app(fast), name="fuzz", route_prefix="/fuzz")
+    try:
+        body = {"model": MODEL, "prompt": "ready", "max_tokens": 1}
+        wait_until(
+            lambda: httpx.post(f"{url}/fuzz/v1/completions", json=body, timeout=60).status_code == 200,
+            what="the fuzz app",
+        )
+        codes: list[int] = []
+        with httpx.Client(base_url=f"{url}/fuzz", timeout=60) as client:
+            fuzz_once(client, codes)
+        assert len(codes) >= 2000 and {200, 400} <= set(codes), sorted(set(codes))
+        assert httpx.post(f"{url}/fuzz/v1/completions", json=body, timeout=60).status_code == 200
+        wait_until(lambda: healthy(f"{url}/fuzz")["in_flight"] == 0, what="no request in flight")
+    finally:
+        serve.delete("fuzz")
