@@ -57,6 +57,8 @@ class NodeSpec:
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)  # vLLM: engine arguments, as-is
     local_rank: int = 0  # this replica's rank among the pool's replicas on its host
     ray_node_id: str = ""  # the Ray node (host) of the replica
+    app_name: str = "kairos"  # the Serve application (its engines share a staging directory per host)
+    app_secret: bytes = b""  # shared by the application's engines: KV channel peers prove it
     on_state: Callable[[NodeState], None] | None = None  # where state reports go (the router)
 
 

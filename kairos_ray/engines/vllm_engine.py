@@ -52,7 +52,7 @@ from kairos_ray.engines import EngineUnhealthy, NodeSpec
 from kairos_ray.engines.reporting import StateReporter
 from kairos_ray.engines.vllm_args import GUARD_KEY, SCHEDULE_KEY, guard_spec
 from kairos_ray.kv import KAIROS_CONNECTOR, KVBytes, KVLost, KVTransport, build_transport
-from kairos_ray.kv.staging import HOLD_KEY, Staging, remote_decode_params
+from kairos_ray.kv.staging import HOLD_KEY, Staging, node_staging_dir, remote_decode_params
 from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role, TokenEvent, TTFTBreakdown
 
 logger = logging.getLogger("ray.serve")
@@ -123,19 +123,21 @@ class VllmEngine:
         kv_channel: str | None = None,
         hold_blocks: bool = False,
         stall_timeout_s: float = 20.0,
+        app_name: str = "kairos",
+        secret: bytes = b"",
     ) -> None:
         self.node_id, self.role, self.guard = node_id, Role(role), guard
         self.stall_timeout_s = stall_timeout_s
         self.reporter = reporter or StateReporter("", None, None, 1.0)
         self.reporter.snapshot = self.state
-        self.staging = Staging(staging_dir)
+        self.staging = Staging(staging_dir or node_staging_dir(app_name, node_id))
         self.args = engine_args(self.role, model, engine_kwargs, self.staging.directory, hold_blocks)
         kv_config = self.args["kv_transfer_config"]
         self.connector = str(kv_config.get("kv_connector", ""))
         self._holds = bool((kv_config.get("kv_connector_extra_config") or {}).get(HOLD_KEY))
         host = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         self.kv: KVTransport = build_transport(
-            node_id, host, kv_timeout_s, kv_channel, self.connector, on_taken=self._taken
+            node_id, host, kv_timeout_s, kv_channel, self.connector, on_taken=self._taken, secret=secret
         )
         self.llm: Any = None
         self.kv_capacity_tokens = 0
@@ -172,6 +174,8 @@ class VllmEngine:
             kv_channel=options.kv_channel,
             hold_blocks=options.kv_hold_blocks,
             stall_timeout_s=options.stall_timeout_s,
+            app_name=spec.app_name,
+            secret=spec.app_secret,
         )
 
     # ---- life cycle ---------------------------------------------------------------------
@@ -199,6 +203,7 @@ class VllmEngine:
             self.llm.shutdown()
             self.llm = None
         self.kv.close()
+        self.staging.close()
 
     async def _beat(self) -> None:
         while True:

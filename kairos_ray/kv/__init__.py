@@ -28,10 +28,12 @@ def build_transport(
     channel: str | None = None,
     connector: str = KAIROS_CONNECTOR,
     on_taken: Callable[[int], None] | None = None,
+    secret: bytes = b"",
 ) -> KVTransport:
     """A node's transport: another vLLM ``connector``'s own, a gloo/NCCL ``channel``, or the object store.
 
-    ``on_taken(request_id)``: the decode node has that hand-off's KV (see ``ObjectStoreTransport``).
+    ``on_taken(request_id)``: the decode node has that hand-off's KV (see ``ObjectStoreTransport``);
+    ``secret``: the application's, which channel peers prove to each other.
     """
     if connector != KAIROS_CONNECTOR:
         from kairos_ray.kv.nixl import ConnectorTransport
@@ -44,4 +46,4 @@ def build_transport(
         return object_store
     from kairos_ray.kv.channel import ChannelTransport, KVChannel
 
-    return ChannelTransport(KVChannel(node_id, host, channel, timeout_s), object_store)
+    return ChannelTransport(KVChannel(node_id, host, channel, timeout_s, secret), object_store)

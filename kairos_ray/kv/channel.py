@@ -25,6 +25,15 @@ broken; a peer that dies breaks its pair at once. The decode node recomputes
 what it did not receive. A ticket whose request never asks for its KV holds
 its pair's stream until a later hand-off drains it or the send times out.
 
+Who may join: the store and the process groups listen on the node's own
+address only. Rendezvous keys are derived from a per-application secret
+(HMAC-SHA256), so a peer that does not hold it cannot find a pair, and once
+a pair forms each end proves the secret to the other before any KV moves; a
+pair whose peer fails the proof is broken at once. A receive allocates at
+most what the ticket says its hand-off holds (``ChannelTicket.kv_bytes``),
+or ``max_receive_bytes`` for an earlier hand-off it takes off the stream for
+another request; a header that claims more breaks the pair.
+
 ``ChannelTransport`` puts a channel behind the ``KVTransport`` interface:
 hand-offs to a named decode node take the pair, the rest (the router fell
 back and named none) the object store.
@@ -34,8 +43,11 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import hashlib
+import hmac
 import itertools
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -56,6 +68,7 @@ BACKENDS = ("gloo", "nccl")
 MAX_RANKS = 64  # tensor-parallel ranks one header can describe
 THREADS = 64  # blocking sends, receives and pair formations in flight at once
 UNCLAIMED_S = 120.0  # a received payload that no request claimed is dropped after this
+MAX_RECEIVE_BYTES = 8 << 30  # the most a receive allocates for a hand-off it has no ticket for
 
 
 class ChannelError(KVLost):
@@ -73,6 +86,7 @@ class ChannelTicket:
     sender: str
     receiver: str
     request_id: int
+    kv_bytes: int  # the hand-off's bytes, all ranks: the most its receive allocates
 
 
 @dataclass
@@ -104,12 +118,21 @@ def _unpack(header: torch.Tensor, body: torch.Tensor) -> KVBytes:
 class KVChannel:
     """This node's ends of its KV pairs: it sends (prefill) and receives (decode) hand-offs' bytes."""
 
-    def __init__(self, node_id: str, host: str, backend: str = "gloo", timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        host: str,
+        backend: str = "gloo",
+        timeout_s: float = 30.0,
+        secret: bytes = b"",
+        max_receive_bytes: int = MAX_RECEIVE_BYTES,
+    ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"KV channel backend must be one of {BACKENDS}, got {backend!r}")
         if backend == "nccl" and not (dist.is_nccl_available() and torch.cuda.is_available()):
             raise ValueError("KV channel backend 'nccl' needs CUDA and a torch built with NCCL; use 'gloo'")
         self.node_id, self.host, self.backend, self.timeout_s = node_id, host, backend, timeout_s
+        self.secret, self.max_receive_bytes = secret, max_receive_bytes
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._server: Any = None  # sender: the rendezvous store, hosted on the first ticket
@@ -136,6 +159,20 @@ class KVChannel:
             self._server = None
         self._threads.shutdown(wait=False, cancel_futures=True)
 
+    def _mac(self, text: str) -> str:
+        return hmac.new(self.secret, text.encode(), hashlib.sha256).hexdigest()
+
+    def _prove(self, key: str, group: Any, rank: int) -> None:
+        """Each end shows the other that it holds the secret (the sender sends first), before any KV moves."""
+        peer = 1 - rank
+        mine = torch.tensor(list(bytes.fromhex(self._mac(f"{key}:{rank}"))), dtype=torch.uint8, device=self.device)
+        theirs = torch.empty(32, dtype=torch.uint8, device=self.device)
+        steps = [(group.send, mine), (group.recv, theirs)]
+        for op, tensor in steps if rank == 0 else steps[::-1]:
+            op([tensor], peer, 0).wait(self._timeout)
+        if not hmac.compare_digest(bytes(theirs.cpu().tolist()), bytes.fromhex(self._mac(f"{key}:{peer}"))):
+            raise ChannelError(f"KV pair {key}: the peer does not hold this application's secret")
+
     async def _run(self, call: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._threads, call, *args)
 
@@ -151,9 +188,11 @@ class KVChannel:
             if key not in self._pairs:
                 try:
                     # a store client per formation: one client is not safe to share between threads
-                    store = PrefixStore(key, TCPStore(host, port, is_master=False, timeout=self._timeout))
-                    self._pairs[key] = _Pair(self._group(store, rank))
-                except RuntimeError as error:
+                    client = TCPStore(host, port, is_master=False, timeout=self._timeout)
+                    group = self._group(PrefixStore(self._mac(key), client), rank)
+                    self._prove(key, group, rank)
+                    self._pairs[key] = _Pair(group)
+                except (RuntimeError, ChannelError) as error:
                     self._break(key)
                     raise ChannelError(f"KV pair {key} did not form: {error}") from error
             return self._pairs[key]
@@ -186,18 +225,22 @@ class KVChannel:
 
     # ---- sender (prefill node) ------------------------------------------------------------
 
-    def ticket(self, receiver: str, request_id: int) -> ChannelTicket:
-        """A ticket for one hand-off to ``receiver``; then ``send`` its bytes."""
+    def ticket(self, receiver: str, request_id: int, kv_bytes: int) -> ChannelTicket:
+        """A ticket for one hand-off of ``kv_bytes`` to ``receiver``; then ``send`` its bytes."""
         with self._lock:
-            if self._server is None:
-                self._server = TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
+            if self._server is None:  # listening on this node's address only, not on every interface
+                listener = socket.create_server((self.host, 0), backlog=128)
+                port = listener.getsockname()[1]
+                self._server = TCPStore(
+                    self.host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach()
+                )
             if receiver not in self._keys:
                 key = self._keys[receiver] = f"{self.node_id}->{receiver}/{next(self._generation)}"
                 self._seqs[key] = itertools.count()
             key = self._keys[receiver]
             seq = next(self._seqs[key])
             port = int(self._server.port)
-        return ChannelTicket(self.host, port, key, seq, self.node_id, receiver, request_id)
+        return ChannelTicket(self.host, port, key, seq, self.node_id, receiver, request_id, kv_bytes)
 
     async def send(self, ticket: ChannelTicket, payload: KVBytes) -> None:
         """Send the hand-off's bytes; returns once the receiver has taken them, raises ``ChannelError``."""
@@ -236,7 +279,12 @@ class KVChannel:
                 header = torch.empty(MAX_RANKS, dtype=torch.int64, device=self.device)
                 self._transfer(ticket.key, pair, "recv", header, seq)
                 header = header.cpu()
-                body = torch.empty(int(header.clamp(min=0).sum()), dtype=torch.uint8, device=self.device)
+                size = int(header.clamp(min=0).sum())
+                cap = ticket.kv_bytes if seq == ticket.seq else self.max_receive_bytes
+                if size > cap:
+                    self._break(ticket.key)
+                    raise ChannelError(f"KV pair {ticket.key}: hand-off {seq} claims {size} bytes, more than {cap}")
+                body = torch.empty(size, dtype=torch.uint8, device=self.device)
                 self._transfer(ticket.key, pair, "recv", body, seq)
                 now = time.monotonic()
                 for old in [s for s, (_, since) in pair.unclaimed.items() if now - since > UNCLAIMED_S]:
@@ -263,7 +311,7 @@ class ChannelTransport:
     async def hand_off(self, request_id: int, payload: KVPayload, receiver: str) -> tuple[Any, str]:
         if not receiver:
             return await self.object_store.hand_off(request_id, payload, receiver)
-        ticket = self.channel.ticket(receiver, request_id)
+        ticket = self.channel.ticket(receiver, request_id, sum(len(b) for b in cast(KVBytes, payload).values()))
         task = asyncio.get_running_loop().create_task(self._send(ticket, payload))
         self._sending[request_id] = task
         task.add_done_callback(lambda _: self._sending.pop(request_id, None))

@@ -55,7 +55,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from kairos_ray.kv.staging import HOLD_KEY, KV_PATH, KV_TOKENS, REMOTE_DECODE, TAKEN, default_staging_dir, rank_path
+from kairos_ray.kv.staging import (
+    HOLD_KEY,
+    KV_PATH,
+    KV_TOKENS,
+    REMOTE_DECODE,
+    TAKEN,
+    default_staging_dir,
+    open_private,
+    private_dir,
+    rank_path,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -107,7 +117,7 @@ class KairosKVConnector(KVConnectorBase_V1):
         self._dir = str(extra("staging_dir", default_staging_dir()))
         self._hold = bool(extra(HOLD_KEY, False))
         self._hold_timeout_s = float(extra("hold_timeout_s", 120.0))
-        os.makedirs(self._dir, exist_ok=True)
+        private_dir(self._dir)
         # scheduler side
         self._watched: dict[str, tuple[int, list[int]]] = {}  # producer: request id -> (prompt tokens, its blocks)
         self._staging: set[str] = set()  # producer: watched requests whose KV a step stages
@@ -191,7 +201,8 @@ class KairosKVConnector(KVConnectorBase_V1):
         for load in meta.loads:
             path = rank_path(load.path, _tp_rank())
             try:
-                staged = torch.load(path, map_location="cpu", weights_only=True)
+                with open_private(path, "rb") as f:
+                    staged = torch.load(f, map_location="cpu", weights_only=True)
                 for name, layer in forward_context.no_compile_layers.items():
                     kv = getattr(layer, "kv_cache", None)
                     if not isinstance(kv, torch.Tensor) or kv.numel() == 0:
@@ -233,7 +244,10 @@ class KairosKVConnector(KVConnectorBase_V1):
         rank = _tp_rank()
         for path, layers in saving.items():
             final = rank_path(path, rank)
-            torch.save(layers, final + ".tmp")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(final + ".tmp")
+            with open_private(final + ".tmp", "wb") as f:
+                torch.save(layers, f)
             os.replace(final + ".tmp", final)  # a reader never sees half a file
             if self._hold:
                 self._held[requests[path]] = (final, time.monotonic())

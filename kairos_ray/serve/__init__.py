@@ -12,6 +12,7 @@ one replica per node, pinned to its node group through the pool's
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from ray.serve import Application
@@ -30,6 +31,7 @@ def _pool(
     kairos_args: dict[str, Any],
     serving: dict[str, Any],
     router: Application,
+    app_secret: bytes,
 ) -> Application:
     """One deployment for the pool: a replica per node, routed per call to the chosen node."""
     options: dict[str, Any] = {
@@ -61,7 +63,8 @@ def _pool(
                 },
             },
         }
-    return EngineServer.options(**options).bind(role, kairos_args, serving, router, pool.model_dump(mode="json"))
+    pool_args = pool.model_dump(mode="json")
+    return EngineServer.options(**options).bind(role, kairos_args, serving, router, pool_args, app_secret)
 
 
 def build_app(args: AppArgs | dict[str, Any]) -> Application:
@@ -70,10 +73,11 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     kairos = args.kairos.model_dump(mode="json")
     serving = args.serving.model_dump(mode="json")
     router = Router.bind(kairos, args.serving.refit_every_steps)
+    secret = secrets.token_bytes(32)  # this application's engines prove it to each other (KV channel pairs)
     return Ingress.bind(
         router,
-        _pool("prefill", args.prefill_config, args.kairos, kairos, serving, router),
-        _pool("decode", args.decode_config, args.kairos, kairos, serving, router),
+        _pool("prefill", args.prefill_config, args.kairos, kairos, serving, router, secret),
+        _pool("decode", args.decode_config, args.kairos, kairos, serving, router, secret),
         args.decode_config.model_loading_config.model_id,
         serving,
         args.decode_config.model_loading_config.source if args.decode_config.engine == "vllm" else None,

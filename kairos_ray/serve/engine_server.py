@@ -40,7 +40,13 @@ class EngineServer:
     """A node of the ``role`` pool."""
 
     async def __init__(
-        self, role: str, kairos: dict[str, Any], serving: dict[str, Any], router: DeploymentHandle, pool: dict[str, Any]
+        self,
+        role: str,
+        kairos: dict[str, Any],
+        serving: dict[str, Any],
+        router: DeploymentHandle,
+        pool: dict[str, Any],
+        app_secret: bytes = b"",
     ) -> None:
         config = KairosConfig.model_validate(kairos)
         options = ServingConfig.model_validate(serving)
@@ -61,6 +67,8 @@ class EngineServer:
             engine_kwargs=pool_config.engine_kwargs,
             local_rank=context.rank.local_rank,
             ray_node_id=ray.get_runtime_context().get_node_id(),
+            app_name=context.app_name,
+            app_secret=app_secret,
             on_state=self._push,
         )
         self.engine = build_engine(pool_config.engine, spec)

@@ -44,7 +44,7 @@ class GoneSender:
 
     def ticket(self, receiver: str, request_id: int) -> ChannelTicket:
         self.channel = KVChannel("prefill-gone", "127.0.0.1")
-        return self.channel.ticket(receiver, request_id)
+        return self.channel.ticket(receiver, request_id, 1 << 20)
 
 
 @ray.remote(num_cpus=0)

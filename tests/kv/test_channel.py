@@ -5,7 +5,9 @@ share this process, each end on its own threads, as engines on one host do.
 """
 
 import asyncio
+import dataclasses
 
+import psutil
 import pytest
 import ray
 import torch
@@ -15,8 +17,19 @@ from kairos_ray.kv.channel import ChannelError, KVChannel
 HOST = "127.0.0.1"
 
 
+SECRET = b"this application's secret"
+
+
 def payload(i: int, ranks: int = 2) -> dict[int, bytes]:
     return {r: bytes([(i + r) % 256]) * (1000 * (i + 1) + r) for r in range(ranks)}
+
+
+def size(i: int, ranks: int = 2) -> int:
+    return sum(len(b) for b in payload(i, ranks).values())
+
+
+def channel(node_id: str, timeout_s: float = 30.0, secret: bytes = SECRET) -> KVChannel:
+    return KVChannel(node_id, HOST, "gloo", timeout_s, secret)
 
 
 @ray.remote(num_cpus=0)
@@ -24,10 +37,10 @@ class Sender:
     """A prefill node's end of a channel, in a process of its own."""
 
     def __init__(self, node_id: str, timeout_s: float) -> None:
-        self.channel = KVChannel(node_id, HOST, "gloo", timeout_s)
+        self.channel = KVChannel(node_id, HOST, "gloo", timeout_s, SECRET)
 
-    def ticket(self, receiver: str, request_id: int):
-        return self.channel.ticket(receiver, request_id)
+    def ticket(self, receiver: str, request_id: int, kv_bytes: int):
+        return self.channel.ticket(receiver, request_id, kv_bytes)
 
     async def send(self, ticket, data: dict[int, bytes]) -> None:
         await self.channel.send(ticket, data)
@@ -42,9 +55,9 @@ def ray_session():
 
 def test_hand_offs_from_two_senders_arrive_whole_whatever_order_they_are_claimed_in():
     async def scenario():
-        senders = [KVChannel(f"prefill-{i}", HOST, "gloo", 30.0) for i in range(2)]
-        receiver = KVChannel("decode-0", HOST, "gloo", 30.0)
-        tickets = [senders[i % 2].ticket("decode-0", i) for i in range(8)]
+        senders = [channel(f"prefill-{i}") for i in range(2)]
+        receiver = channel("decode-0")
+        tickets = [senders[i % 2].ticket("decode-0", i, size(i, ranks=1 + i % 3)) for i in range(8)]
         assert [t.seq for t in tickets] == [0, 0, 1, 1, 2, 2, 3, 3]  # one stream per pair
         sends = [senders[i % 2].send(tickets[i], payload(i, ranks=1 + i % 3)) for i in reversed(range(8))]
         receives = [receiver.receive(tickets[i]) for i in reversed(range(8))]  # claimed last first
@@ -60,22 +73,22 @@ def test_hand_offs_from_two_senders_arrive_whole_whatever_order_they_are_claimed
 
 def test_a_ticket_for_another_node_is_refused():
     async def scenario():
-        sender, other = KVChannel("prefill-0", HOST), KVChannel("decode-1", HOST)
+        sender, other = channel("prefill-0"), channel("decode-1")
         with pytest.raises(ChannelError, match="sent to decode-0"):
-            await other.receive(sender.ticket("decode-0", 1))
+            await other.receive(sender.ticket("decode-0", 1, size(1)))
 
     asyncio.run(scenario())
 
 
 def test_a_send_nobody_takes_gives_up_and_the_next_uses_a_new_pair():
     async def scenario():
-        sender = KVChannel("prefill-0", HOST, "gloo", timeout_s=2.0)
-        first = sender.ticket("decode-0", 1)
+        sender = channel("prefill-0", timeout_s=2.0)
+        first = sender.ticket("decode-0", 1, size(1))
         with pytest.raises(ChannelError, match="did not form"):
             await asyncio.wait_for(sender.send(first, payload(1)), 60)
-        second = sender.ticket("decode-0", 2)
+        second = sender.ticket("decode-0", 2, size(2))
         assert second.key != first.key  # a broken rendezvous is never reused
-        receiver = KVChannel("decode-0", HOST, "gloo", timeout_s=5.0)
+        receiver = channel("decode-0", timeout_s=5.0)
         with pytest.raises(ChannelError):  # the old ticket's pair is gone for good
             await asyncio.wait_for(asyncio.gather(sender.send(first, payload(1)), receiver.receive(first)), 60)
         got = await asyncio.wait_for(asyncio.gather(sender.send(second, payload(2)), receiver.receive(second)), 60)
@@ -86,13 +99,13 @@ def test_a_send_nobody_takes_gives_up_and_the_next_uses_a_new_pair():
 
 def test_a_sender_that_dies_fails_its_waiting_receives_at_once(ray_session):
     async def scenario():
-        receiver = KVChannel("decode-0", HOST, "gloo", timeout_s=600.0)  # only the break can end the wait
+        receiver = channel("decode-0", timeout_s=600.0)  # only the break can end the wait
         sender = Sender.remote("prefill-0", 600.0)
-        formed = await sender.ticket.remote("decode-0", 1)
+        formed = await sender.ticket.remote("decode-0", 1, size(1))
         sent = sender.send.remote(formed, payload(1))
         assert await asyncio.wait_for(receiver.receive(formed), 120) == payload(1)
         await sent
-        orphan = await sender.ticket.remote("decode-0", 2)  # never sent
+        orphan = await sender.ticket.remote("decode-0", 2, size(2))  # never sent
         waiting = asyncio.ensure_future(receiver.receive(orphan))
         await asyncio.sleep(0)
         ray.kill(sender)
@@ -107,9 +120,9 @@ def test_a_sender_that_dies_fails_its_waiting_receives_at_once(ray_session):
 def test_a_sender_gone_before_the_pair_formed_is_unreachable(ray_session):
     async def scenario():
         sender = Sender.remote("prefill-0", 600.0)
-        ticket = await sender.ticket.remote("decode-0", 1)
+        ticket = await sender.ticket.remote("decode-0", 1, size(1))
         ray.kill(sender)
-        receiver = KVChannel("decode-0", HOST, "gloo", timeout_s=5.0)
+        receiver = channel("decode-0", timeout_s=5.0)
         with pytest.raises(ChannelError):
             await asyncio.wait_for(receiver.receive(ticket), 120)
 
@@ -122,3 +135,39 @@ def test_bad_backends_are_refused_with_a_clear_error():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs CUDA"):
             KVChannel("prefill-0", HOST, "nccl")
+
+
+def test_a_peer_without_the_secret_cannot_form_a_pair():
+    async def scenario():
+        sender, stranger = channel("prefill-0", timeout_s=3.0), channel("decode-0", 3.0, secret=b"another app")
+        ticket = sender.ticket("decode-0", 1, size(1))
+        with pytest.raises(ChannelError, match="did not form"):
+            await asyncio.wait_for(asyncio.gather(sender.send(ticket, payload(1)), stranger.receive(ticket)), 60)
+
+    asyncio.run(scenario())
+
+
+def test_the_store_listens_on_the_nodes_address_only():
+    sender = channel("prefill-0")
+    ticket = sender.ticket("decode-0", 1, size(1))
+    listening = [
+        c for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == ticket.port
+    ]
+    assert listening and {c.laddr.ip for c in listening} == {HOST}
+    sender.close()
+
+
+def test_a_header_claiming_more_than_the_ticket_breaks_the_pair():
+    async def scenario():
+        sender, receiver = channel("prefill-0", timeout_s=5.0), channel("decode-0", timeout_s=5.0)
+        honest = sender.ticket("decode-0", 1, size(1))
+        lying = dataclasses.replace(sender.ticket("decode-0", 2, size(2)), kv_bytes=10)  # the sender sends more
+        got = await asyncio.wait_for(asyncio.gather(sender.send(honest, payload(1)), receiver.receive(honest)), 60)
+        assert got[1] == payload(1)
+        sent = asyncio.ensure_future(sender.send(lying, payload(2)))
+        with pytest.raises(ChannelError, match=f"claims {size(2)} bytes, more than 10"):
+            await asyncio.wait_for(receiver.receive(lying), 60)
+        with pytest.raises(ChannelError):
+            await asyncio.wait_for(sent, 60)
+
+    asyncio.run(scenario())
