@@ -116,16 +116,16 @@ class EmulatedEngine:
             if step is None:
                 return None
             self._step_features = (0, *step)
-            self._predicted_step_s = self.predictor.step_s(0, *step)
-            return self.truth.step_s(0, *step) * self._noise.next()
+            self._predicted_step_s = self.predictor.step_s(0, *step, step[0])
+            return self.truth.step_s(0, *step, step[0]) * self._noise.next()
         dstep = self.decode_node.begin_step(now)
         for job in self.decode_node.joined:
             self._active[job.request_id] = job
         if dstep is None:
             return None
         self._step_features = dstep
-        self._predicted_step_s = self.predictor.step_s(*dstep)
-        return self.truth.step_s(*dstep) * self._noise.next()
+        self._predicted_step_s = self.predictor.step_s(*dstep, self.decode_node.prefix_tokens)
+        return self.truth.step_s(*dstep, self.decode_node.prefix_tokens) * self._noise.next()
 
     def _end(self, step_s: float) -> None:
         now = time.monotonic()

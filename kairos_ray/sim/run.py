@@ -80,11 +80,16 @@ def sweep(
     return summary, rows, by_run
 
 
-def write_outputs(out: Path, summary: list[dict[str, Any]], rows: list[dict[str, Any]], slo: SLOConfig) -> list[Path]:
-    """summary.csv, requests.csv and the plots; returns the files written."""
-    from kairos_ray.metrics.plots import plot_all
-
+def write_outputs(
+    out: Path, summary: list[dict[str, Any]], rows: list[dict[str, Any]], slo: SLOConfig, plots: bool = True
+) -> list[Path]:
+    """summary.csv, requests.csv and (unless ``plots`` is false) the plots; returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "summary.csv", SUMMARY_COLUMNS, summary)
     write_csv(out / "requests.csv", RECORD_COLUMNS, rows)
-    return [out / "summary.csv", out / "requests.csv", *plot_all(summary, out, slo)]
+    written = [out / "summary.csv", out / "requests.csv"]
+    if plots:
+        from kairos_ray.metrics.plots import plot_all  # matplotlib: imported only when drawing
+
+        written += plot_all(summary, out, slo)
+    return written
