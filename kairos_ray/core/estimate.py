@@ -12,8 +12,9 @@ similar length.
 
 ``exact`` (default): walks the FIFO request by request, each prompt in
 ceil(l / chi_p) chunks whose own prefix (and the node's KV) grows by chi_p per
-step, priced with the model's closed-form runs. When a short prompt queues behind a long one, Eq. 2
-prices the short one's steps at the long one's average context; this does not.
+step, priced with the model's closed-form runs. When a short prompt queues
+behind a long one, Eq. 2 prices the short one's steps at the long one's
+average context; this does not.
 vLLM may pack the tail chunk of one prompt with the head of the next into one
 step; counting them as two steps overestimates by at most one step's fixed
 cost per queued request.
