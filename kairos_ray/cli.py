@@ -71,8 +71,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     Path(args.output).write_text(result.model.to_json() + "\n")
     plot = plot_fit(table, result.model, Path(args.plot or Path(args.output).with_suffix(".png")), result.holdout_mape)
     print(
-        f"fitted on {result.num_train} steps; held-out MAPE {100 * result.holdout_mape:.2f} % "
-        f"on {result.num_holdout} steps; wrote {args.output} and {plot}"
+        f"fitted on {result.num_train} rows; held-out MAPE {100 * result.holdout_mape:.2f} % "
+        f"on {result.num_holdout} rows; wrote {args.output} and {plot}"
     )
     return 0
 
@@ -180,7 +180,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     with tqdm(total=cells, unit="cell", desc="profiling", disable=None) as bar:
         table = profile(llm, batch_sizes, contexts, chunks, args.repeats, bar.update, prefixes)
     write_table(args.output, table)
-    print(f"profile: {len(table)} steps written to {args.output}")
+    print(f"profile: {len(table)} grid points (each the median of {args.repeats} steps) written to {args.output}")
     if args.fit:
         return _cmd_fit(argparse.Namespace(table=args.output, output=args.fit, holdout=0.2, seed=0, plot=None))
     return 0
@@ -332,7 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=[0, 512, 1024, 2048],
         help="own prefix of each chunk: its request's tokens prefilled before it (0,512,1024,2048)",
     )
-    prof.add_argument("--repeats", type=_positive_int, default=3, help="steps timed per grid point (3)")
+    prof.add_argument(
+        "--repeats", type=_positive_int, default=3, help="steps timed per grid point; the table holds their median (3)"
+    )
     prof.add_argument(
         "--engine-arg",
         type=_engine_arg,

@@ -20,8 +20,9 @@ points, so a disturbance from the rest of the machine (a shared CPU, other
 processes) hits one repeat of many points, which the median drops, rather than
 every repeat of one. ``kairos fit`` turns the table into a ``StepLatencyModel``
 (Eq. 4, the chunk's own prefix included). The engine runs in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with the garbage collector held between
-passes, so that a step's wall time is the step.
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with the garbage collector run only
+between passes (and an untimed step after it), so that a step's wall time is
+the step.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def profile(
     vocab = 500  # token ids the tiny tokenizer knows; any model's vocabulary is larger
     rows: list[tuple[int, float, int, int, float]] = []
     grid = ([(0, 0)] if 0 in chunks else []) + [(chi, max(1, p)) for chi in chunks if chi for p in prefixes]
-    steps_per_pass = len(grid) + sum(1 for chi, _ in grid if chi)  # a probe's prefix takes a step of its own
+    steps_per_pass = 1 + len(grid) + sum(1 for chi, _ in grid if chi)  # a probe's prefix takes a step of its own
 
     def tokens(n: int) -> list[int]:
         start = next(ids) * 7919
@@ -113,6 +114,8 @@ def profile(
             timed: dict[tuple[int, int], list[tuple[int, float]]] = {point: [] for point in grid}
             for repeat in range(repeats + 1):
                 gc.collect()
+                engine.step()  # untimed: the step after a collection runs with cold caches
+                resident += batch_size
                 for chi, prefix in grid:
                     if chi:
                         probe = SamplingParams(
