@@ -10,7 +10,15 @@ from typing import Any
 from kairos_ray.config import KairosConfig, SLOConfig, resolve_profile
 from kairos_ray.core import Policy, StepLatencyModel, parse_spec
 from kairos_ray.emulation import ClusterHardware, GroundTruth
-from kairos_ray.metrics import RECORD_COLUMNS, SUMMARY_COLUMNS, RequestRecord, record_rows, summarize, write_csv
+from kairos_ray.metrics import (
+    RECORD_COLUMNS,
+    SUMMARY_COLUMNS,
+    RequestRecord,
+    gap_stats,
+    record_rows,
+    summarize,
+    write_csv,
+)
 from kairos_ray.sim.cluster import ClusterSim, SimResult
 from kairos_ray.workloads import Workload
 
@@ -74,8 +82,9 @@ def sweep(
     for rps, workload in runs:
         for spec in specs:
             result = setup.simulate(spec, workload, progress)
-            summary.append(summarize(result.records, slo, spec, rps, result.prefill_util, result.decode_util))
-            rows.extend(record_rows(result.records, slo, spec, rps))
+            stats = gap_stats(result.records, slo)
+            summary.append(summarize(result.records, slo, spec, rps, result.prefill_util, result.decode_util, 0, stats))
+            rows.extend(record_rows(result.records, slo, spec, rps, stats))
             by_run[(spec, rps)] = result.records
     return summary, rows, by_run
 

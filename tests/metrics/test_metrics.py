@@ -70,7 +70,7 @@ def test_vectorised_gap_stats_equal_the_per_request_numbers(gap_lists, ttft):
         gaps = r.tbt_gaps_s
         assert n == len(gaps)
         if len(gaps):
-            assert p95 == pytest.approx(np.percentile(gaps, 95), rel=1e-12, abs=1e-15)
+            assert p95 == pytest.approx(np.percentile(gaps, 95), rel=1e-9, abs=1e-12)  # seconds: a ps is nothing
             assert top == gaps.max()
         else:
             assert np.isnan(p95) and np.isnan(top)
