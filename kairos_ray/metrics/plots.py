@@ -65,9 +65,12 @@ def _breakdown(groups: dict[str, list[dict[str, Any]]], path: Path) -> Path:
     nrows = -(-len(groups) // cols)
     fig = Figure(figsize=(3.6 * cols, 3.2 * nrows))
     axes = fig.subplots(nrows, cols, sharey=True, squeeze=False)
+    width_in, height_in = 3.6 * cols, 3.2 * nrows
+    # margins in inches: the axis labels on the left and below, each row's title above it
     fig.subplots_adjust(
-        left=0.6 / (3.6 * cols), right=0.98, bottom=0.5 / (3.2 * nrows), top=1 - 0.3 / (3.2 * nrows), wspace=0.1
-    )
+        left=0.75 / width_in, right=1 - 0.1 / width_in, bottom=0.5 / height_in, top=1 - 0.3 / height_in,
+        wspace=0.1, hspace=0.35,
+    )  # fmt: skip
     width = 0.18
     flat = [ax for row in axes for ax in row]
     for ax in flat[len(groups) :]:
