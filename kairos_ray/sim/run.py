@@ -83,7 +83,9 @@ def sweep(
         for spec in specs:
             result = setup.simulate(spec, workload, progress)
             stats = gap_stats(result.records, slo)
-            summary.append(summarize(result.records, slo, spec, rps, result.prefill_util, result.decode_util, 0, stats))
+            summary.append(
+                summarize(result.records, slo, spec, rps, result.prefill_util, result.decode_util, stats=stats)
+            )
             rows.extend(record_rows(result.records, slo, spec, rps, stats))
             by_run[(spec, rps)] = result.records
     return summary, rows, by_run
