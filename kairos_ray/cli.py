@@ -71,8 +71,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     Path(args.output).write_text(result.model.to_json() + "\n")
     plot = plot_fit(table, result.model, Path(args.plot or Path(args.output).with_suffix(".png")), result.holdout_mape)
     print(
-        f"fitted on {result.num_train} steps; held-out MAPE {100 * result.holdout_mape:.2f} % "
-        f"on {result.num_holdout} steps; wrote {args.output} and {plot}"
+        f"fitted on {result.num_train} rows; held-out MAPE {100 * result.holdout_mape:.2f} % "
+        f"on {result.num_holdout} rows; wrote {args.output} and {plot}"
     )
     return 0
 
@@ -101,7 +101,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     with tqdm(total=total, unit="req", desc="simulating", disable=None) as bar:
         summary, rows, _ = sweep(setup, specs, runs, bar.update)
     out = Path(args.out)
-    written = write_outputs(out, summary, rows, setup.config.slo)
+    written = write_outputs(out, summary, rows, setup.config.slo, plots=not args.no_plots)
     print(f"{'policy':<10} {'rps':>6} {'P95 TTFT':>9} {'P95 TBT':>8} {'TBT viol':>8} {'SLO att':>8} {'deflected':>9}")
     for row in summary:
         print(
@@ -166,14 +166,21 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from kairos_ray.profiling.fit import write_table
     from kairos_ray.profiling.profiler import TINY_MODEL, make_engine, profile
 
-    batch_sizes, contexts, chunks = args.batch_sizes, args.contexts, args.chunks
+    batch_sizes, contexts, chunks, prefixes = args.batch_sizes, args.contexts, args.chunks, args.prefixes
     print(f"profile: starting vLLM on {args.model or 'the shipped tiny model'} (tens of seconds on a CPU)")
-    llm = make_engine(args.model or TINY_MODEL, max(batch_sizes), max(chunks), max(contexts), **dict(args.engine_arg))
+    llm = make_engine(
+        args.model or TINY_MODEL,
+        max(batch_sizes),
+        max(chunks),
+        max(contexts),
+        max(prefixes),
+        **dict(args.engine_arg),
+    )
     cells = len(batch_sizes) * len(contexts)
     with tqdm(total=cells, unit="cell", desc="profiling", disable=None) as bar:
-        table = profile(llm, batch_sizes, contexts, chunks, args.repeats, bar.update)
+        table = profile(llm, batch_sizes, contexts, chunks, args.repeats, bar.update, prefixes)
     write_table(args.output, table)
-    print(f"profile: {len(table)} steps written to {args.output}")
+    print(f"profile: {len(table)} grid points (each the median of {args.repeats} steps) written to {args.output}")
     if args.fit:
         return _cmd_fit(argparse.Namespace(table=args.output, output=args.fit, holdout=0.2, seed=0, plot=None))
     return 0
@@ -266,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sim",
         help="simulate policies on a disaggregated cluster (no GPU needed)",
         description="Discrete-event simulation of prefill and decode pools, deciding with the very same "
-        "policies as the live router. Writes OUT/summary.csv, OUT/requests.csv and plots.",
+        "policies as the live router. Writes OUT/summary.csv, OUT/requests.csv and plots (unless --no-plots).",
     )
     _add_source(sim)
     sim.add_argument(
@@ -285,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--prefill", type=_positive_int, default=2, metavar="N", help="prefill nodes (2)")
     sim.add_argument("--decode", type=_positive_int, default=2, metavar="N", help="decode nodes (2)")
     sim.add_argument("--profile", metavar="FILE", help="step-latency profile (default: the config's)")
+    sim.add_argument("--no-plots", action="store_true", help="write the CSVs only, no PNG plots")
     _add_run_options(sim, "SLOs, policy knobs", "workloads and step noise", "sim-out")
     sim.set_defaults(func=_cmd_sim)
 
@@ -309,15 +317,24 @@ def build_parser() -> argparse.ArgumentParser:
     prof = commands.add_parser(
         "profile",
         help="time a real vLLM engine's steps over a grid (for kairos fit)",
-        description="Drive an in-process vLLM engine through a grid of decode batch sizes, contexts (resident KV) "
-        "and injected chunk sizes, timing each step; writes the table kairos fit reads. Defaults profile the "
-        "tiny CPU model shipped in the package; on a GPU node pass --model and larger grids.",
+        description="Drive an in-process vLLM engine through a grid of decode batch sizes, contexts (resident KV), "
+        "injected chunk sizes and the chunk's own prefix (tokens of its request prefilled before it), timing each "
+        "step; writes the table kairos fit reads. Defaults profile the tiny CPU model shipped in the package; on a "
+        "GPU node pass --model and larger grids.",
     )
     prof.add_argument("--model", help="model directory or name (default: the shipped tiny model, dummy weights)")
     prof.add_argument("--batch-sizes", type=_ints, default=[1, 4, 16], help="decode batch sizes (1,4,16)")
     prof.add_argument("--contexts", type=_ints, default=[128, 512], help="prompt tokens per decoding request (128,512)")
     prof.add_argument("--chunks", type=_ints, default=[0, 64, 128, 256, 512], help="chunk sizes (0,64,128,256,512)")
-    prof.add_argument("--repeats", type=_positive_int, default=3, help="steps timed per grid point (3)")
+    prof.add_argument(
+        "--prefixes",
+        type=_ints,
+        default=[0, 512, 1024, 2048],
+        help="own prefix of each chunk: its request's tokens prefilled before it (0,512,1024,2048)",
+    )
+    prof.add_argument(
+        "--repeats", type=_positive_int, default=3, help="steps timed per grid point; the table holds their median (3)"
+    )
     prof.add_argument(
         "--engine-arg",
         type=_engine_arg,
@@ -333,8 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     fit = commands.add_parser(
         "fit",
         help="fit the step-latency model (Eq. 4) to measured steps",
-        description="Fit T_step(B, K, chi) to a CSV of measured steps "
-        "(columns batch_size, kv_tokens, chunk_tokens, step_s) and report the held-out MAPE.",
+        description="Fit T_step(B, K, chi, P) to a CSV of measured steps "
+        "(columns batch_size, kv_tokens, chunk_tokens, prefix_tokens, step_s; prefix_tokens may be absent) "
+        "and report the held-out MAPE.",
     )
     fit.add_argument("table", metavar="TABLE.csv", help="measured steps")
     fit.add_argument("-o", "--output", required=True, metavar="PROFILE.json", help="where to write the fitted profile")

@@ -10,10 +10,17 @@ predictor (see ``kairos_ray/profiles/README.md`` for the derivation of the
 shipped A100 values).
 
 ``GroundTruth`` is what simulated engines actually take per step. It is NOT
-the predictor the policies use: it adds what a linear fit misses,
+the predictor the policies use. Its physics of a chunk is fixed, whatever form
+the profile's predictor has: a chunk attends over its own request's prefix P
+(the earlier chunks of the same request), never over the other requests' KV,
+which costs the decode part of the step (``c_kv * K``). It prices that
+attention at ``c_chunk_prefix + c_chunk_kv`` per chunk token per prefix token:
+for a profile in the paper's form (``c_chunk_kv * chi * K``, no prefix term)
+the predictor then prices chunks on a loaded node by KV they never read, and
+the simulated steps show it. It also adds what a linear fit misses,
 
-- tile quantisation: prefill tokens are computed in tiles of ``tile_tokens``,
-  so a partial tile costs a whole one (``c_chunk`` per padded token);
+- tile quantisation: prefill tokens go through the linear layers in tiles of
+  ``tile_tokens``, so a partial tile costs a whole one (``c_chunk`` per padded token);
 - batch crowding: per-request decode cost grows by ``B / batch_crowding`` as
   the batch fills (``c_batch * B * (1 + B / batch_crowding)``);
 
@@ -71,18 +78,24 @@ class ClusterHardware:
 
 
 class GroundTruth(StepwiseLatency):
-    """The step time simulated engines take (before noise): the predictor plus what a linear fit misses."""
+    """The step time simulated engines take (before noise): a chunk over its own prefix, tiles, crowding."""
 
     def __init__(self, model: StepLatencyModel, hardware: ClusterHardware) -> None:
         self.model = model
         self.tile = hardware.tile_tokens
         self.crowding = hardware.batch_crowding
+        self.c_attention = model.c_chunk_prefix + model.c_chunk_kv  # per chunk token per own-prefix token
 
-    def step_s(self, batch_size: int, kv_tokens: float, chunk_tokens: float) -> float:
+    def step_s(self, batch_size: int, kv_tokens: float, chunk_tokens: float, prefix_tokens: float = 0) -> float:
         m = self.model
-        seconds = m.step_s(batch_size, kv_tokens, chunk_tokens) + m.c_batch * batch_size * batch_size / self.crowding
+        seconds = m.c0 + m.c_batch * batch_size * (1 + batch_size / self.crowding) + m.c_kv * kv_tokens
         if chunk_tokens:
-            seconds += m.c_chunk * (math.ceil(chunk_tokens / self.tile) * self.tile - chunk_tokens)
+            padded = math.ceil(chunk_tokens / self.tile) * self.tile
+            seconds += (
+                m.c_chunk * padded
+                + chunk_tokens * (m.c_chunk_sq * chunk_tokens + self.c_attention * prefix_tokens)
+                + m.c_prefix * prefix_tokens
+            )
         return seconds
 
 

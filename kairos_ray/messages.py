@@ -97,6 +97,7 @@ class StepRecord:
     chunk_tokens: int  # chi: prefill tokens computed in the step
     measured_s: float  # wall time of the step
     predicted_s: float  # the node's step-latency model for the same features (0.0 without a model)
+    prefix_tokens: int = 0  # P: the chunk's own prefix (its request's tokens prefilled before this step)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,11 @@ idle), the driver lets the step's time pass (a heap event, or a sleep), then
   ``guard`` re-checks each planned chunk against the batch of the moment
   (``core.sweep.largest_safe_chunk``).
 
+A step's time is the driver's to price (Eq. 4): a prefill node's chunk
+attends over the head job's prefilled context (the first element of
+``begin_step``'s answer, its prefix and the node's KV at once); a decode
+node's chunk over its own job's earlier chunks, ``DecodeNode.prefix_tokens``.
+
 Per step the decode node does O(1) work plus O(log B) per job that joins or
 finishes; it keeps no per-token state, which is what lets the simulator
 replay long traces quickly. Drivers that stream tokens keep their own set of
@@ -47,6 +52,7 @@ class Job:
     decode_node: int = -1
     schedule: tuple[int, ...] = ()  # chunk schedule when deflected
     next_chunk: int = 0  # index into schedule
+    prefilled_tokens: int = 0  # prompt tokens its schedule's chunks have prefilled so far (deflected)
     prefill_start_s: float = math.nan
     prefill_end_s: float = math.nan
     kv_ready_s: float = math.nan
@@ -120,6 +126,7 @@ class DecodeNode:
     reserved_tokens: int = 0  # prompt + output of every admitted or deflected job not yet finished
     step: int = 0  # index of the next step to end
     chunk: int = 0  # deflected tokens in the step in flight
+    prefix_tokens: int = 0  # their own prefix: the deflected job's tokens prefilled before this step (0: no chunk)
     busy: bool = False
     busy_s: float = 0.0
     finishing: list[tuple[int, int, Job]] = field(default_factory=list)  # heap of (last_step, request_id, job)
@@ -140,6 +147,7 @@ class DecodeNode:
             # headroom = free - pending = capacity - reservations (see DecodeNodeView)
             free_kv_tokens=self.kv_capacity_tokens - self.reserved_tokens + pending,
             committed=committed,
+            head_prefilled_tokens=self.deflections[0].prefilled_tokens if self.deflections else 0,
         )
 
     def deflect(self, job: Job) -> None:
@@ -182,7 +190,7 @@ class DecodeNode:
             self.reserved_tokens -= job.prompt_tokens + job.output_tokens
 
     def begin_step(self, now: float) -> tuple[int, int, int] | None:
-        """Admit waiting jobs; (B, K, chunk) of the next step, or None (idle)."""
+        """Admit waiting jobs; (B, K, chunk) of the next step, or None (idle); sets ``prefix_tokens``."""
         step = self.step
         joined = self.joined
         joined.clear()
@@ -199,13 +207,15 @@ class DecodeNode:
             job.last_step = step + job.output_tokens - 1
             heapq.heappush(self.finishing, (job.last_step, job.request_id, job))
             joined.append(job)
-        self.chunk = 0
+        self.chunk = self.prefix_tokens = 0
         if self.deflections:
             head = self.deflections[0]
             if head.next_chunk == 0:
                 head.prefill_start_s = now
             planned = head.schedule[head.next_chunk]
-            self.chunk = planned if self.guard is None else self.guard(self.running, self.kv_tokens, planned)
+            prefix = head.prefilled_tokens
+            self.chunk = planned if self.guard is None else self.guard(self.running, self.kv_tokens, planned, prefix)
+            self.prefix_tokens = prefix if self.chunk else 0
             if 0 < self.chunk < planned:
                 i = head.next_chunk
                 head.schedule = (*head.schedule[:i], self.chunk, planned - self.chunk, *head.schedule[i + 1 :])
@@ -231,6 +241,7 @@ class DecodeNode:
         if self.deflections and self.chunk:
             head = self.deflections[0]
             head.next_chunk += 1
+            head.prefilled_tokens += self.chunk
             self.kv_tokens += self.chunk
             if head.next_chunk == len(head.schedule):
                 self.deflections.popleft()

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from kairos_ray.config import resolve_profile
-from kairos_ray.core import StepLatencyModel
+from kairos_ray.core import PolicyParams, StepLatencyModel, tbt_safe_schedule
 from kairos_ray.emulation import ClusterHardware, GroundTruth
 
 SHIPPED = resolve_profile("a100-deepseek-v2-lite")
@@ -11,11 +11,28 @@ SHIPPED = resolve_profile("a100-deepseek-v2-lite")
 
 def test_shipped_profile_meets_the_papers_statements():
     model = StepLatencyModel.load(SHIPPED)
-    added = lambda b, k, chi: model.step_s(b, k, chi) - model.step_s(b, k, 0)  # noqa: E731
-    # chunks up to 512 tokens add at most ~30 ms to a decode step (across batch sizes, KV up to 150K)
-    assert max(added(b, k, 512) for b in (1, 64, 256) for k in (0, 50_000, 150_000)) <= 0.035
+
+    def added(b, k, chi, prefix):  # the i-th chunk of one request: its prefix is resident KV too
+        return model.step_s(b, k + prefix, chi, prefix) - model.step_s(b, k, 0)
+
+    # chunks up to 512 tokens add at most ~30 ms to a decode step, whatever the batch and the node's KV
+    fifth = 4 * 512
+    assert max(added(b, k, 512, fifth) for b in (1, 64, 256) for k in (0, 50_000, 300_000)) <= 0.030
     # 2048-token chunks add up to ~250 ms by the fifth chunk
-    assert 0.15 <= added(128, 300_000 + 4 * 2048, 2048) <= 0.26
+    assert 0.15 <= added(128, 300_000, 2048, 4 * 2048) <= 0.26
+    # a request's own context makes its later chunks slower (the roofline: 34.7 -> 59.9 ms for 1024)
+    assert added(0, 0, 1024, 4 * 1024) - added(0, 0, 1024, 0) == pytest.approx(0.025, abs=0.002)
+
+
+def test_a_32k_prompt_on_an_idle_node_gets_a_shrinking_schedule():
+    model = StepLatencyModel.load(SHIPPED)
+    candidates = PolicyParams().chunk_candidates
+    at_70ms = tbt_safe_schedule(model, 0, 0, 32_768, candidates, 0.9 * 0.07)
+    assert at_70ms is not None and len(set(at_70ms)) >= 2 and 2048 not in at_70ms
+    assert at_70ms[:4] == (1024, 1024, 1024, 512)  # the fourth 1024 would take 64.3 ms > 63 ms
+    # a 2048-token chunk fits from tau = 97 ms (its first step: 11 + 75.7 ms), then the schedule shrinks
+    at_100ms = tbt_safe_schedule(model, 0, 0, 32_768, candidates, 0.9 * 0.1)
+    assert at_100ms is not None and at_100ms[:2] == (2048, 1024)
 
 
 def test_ground_truth_departs_from_the_predictor():
@@ -24,6 +41,16 @@ def test_ground_truth_departs_from_the_predictor():
     assert truth.step_s(0, 0, 128) == pytest.approx(model.step_s(0, 0, 128))  # a whole tile
     assert truth.step_s(0, 0, 129) > model.step_s(0, 0, 129) + 100 * model.c_chunk  # a padded tile
     assert truth.step_s(200, 0, 0) > model.step_s(200, 0, 0)  # batch crowding
+    assert truth.step_s(0, 4096, 1024, 4096) == pytest.approx(model.step_s(0, 4096, 1024, 4096))
+
+
+def test_ground_truth_prices_a_chunk_by_its_own_prefix_whatever_the_predictors_form():
+    """A profile in the paper's form prices a chunk by all resident KV; the simulated engine does not."""
+    paper = StepLatencyModel(0.02, 0.0, 0.0, 1e-5, 1e-9, 0.0)
+    truth = GroundTruth(paper, ClusterHardware(tile_tokens=1))
+    # 512 tokens 1000 tokens into their prompt, on a node holding 300K other KV tokens: 1e-9 x 512 x 1000, not 301K
+    assert truth.step_s(0, 301_000, 512, 1000) == pytest.approx(0.02 + 512 * (1e-5 + 1e-9 * 1000))
+    assert paper.step_s(0, 301_000, 512, 1000) == pytest.approx(0.02 + 512 * (1e-5 + 1e-9 * 301_000))
 
 
 def test_transfer_time_and_profile_errors(tmp_path):

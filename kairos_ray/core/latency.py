@@ -1,25 +1,35 @@
-"""Step-latency model of a serving node (paper Eq. 4).
+"""Step-latency model of a serving node (paper Eq. 4), with the injected chunk's own context.
 
-    T_step(B, K, chi) = T0(B, K) + dT_pf(B, K, chi)
+    T_step(B, K, chi, P) = T0(B, K) + dT_pf(B, K, chi, P)
 
-B is the decode batch size, K the KV tokens resident on the node and chi the
-prefill tokens injected into the step. The model is linear in six features,
-so it is O(1) to evaluate and can be fitted by ordinary least squares:
+B is the decode batch size, K the KV tokens resident on the node, chi the
+prefill tokens injected into the step and P the chunk's own prefix: the tokens
+of the same request prefilled before this chunk (for the i-th chunk of a
+schedule, P = sum_{j<i} chi_j; they are resident too, so K includes them, as
+in Eq. 5's K_n + sum_{j<i} chi_j). The model is linear in eight features, so
+it is O(1) to evaluate and can be fitted by ordinary least squares:
 
-    T0(B, K)         = c0 + c_batch * B + c_kv * K
-    dT_pf(B, K, chi) = c_chunk * chi + c_chunk_kv * chi * K + c_chunk_sq * chi**2
+    T0(B, K)             = c0 + c_batch * B + c_kv * K
+    dT_pf(B, K, chi, P)  = c_chunk * chi + c_chunk_kv * chi * K + c_chunk_sq * chi**2
+                           + c_chunk_prefix * chi * P + c_prefix * P
 
-``chi * K`` makes a chunk cost more as context accumulates (later chunks of a
-deflected prompt are slower, the paper's reason for shrinking schedules);
-``chi**2`` is the chunk's attention over itself. Setting chi = 0 leaves the pure
-decode step T0.
+A chunk's attention spans its own request's context, not the node's: ``chi *
+P`` is that attention's arithmetic (the reason later chunks of a deflected
+prompt are slower and LargestSafe's schedule shrinks), ``P`` the reading of
+the prefix's KV beyond what any resident token costs (``c_kv``; an engine may
+gather a prefilling request's context where decode reads it in place),
+``chi**2`` the chunk's attention over itself; the other requests' KV costs the
+decode part of the step, ``c_kv * K``. The paper writes the chunk's context as
+the node's resident KV; that form is ``c_chunk_prefix = c_prefix = 0`` with
+``c_chunk_kv > 0`` (every profile of format ``linear-v1`` reads so). With
+chi = 0 there is no chunk and no prefix: the pure decode step T0.
 
-Because every term is linear in K, a run of ``n`` equal chunks that starts at
-K0 has a closed-form total time and a closed-form count of TBT-safe steps.
-``run_s`` and ``safe_steps`` expose that; the Eq. 5 sweep and the prefill
-estimators use them so a decision costs O(candidates), not O(steps).
-``StepwiseLatency`` gives the same two methods by walking steps one at a time,
-for latency functions without a closed form.
+Because every term is linear in K and P, a run of ``n`` equal chunks whose K
+and P both grow by the chunk each step has a closed-form total time and a
+closed-form count of TBT-safe steps. ``run_s`` and ``safe_steps`` expose that;
+the Eq. 5 sweep and the prefill estimators use them so a decision costs
+O(candidates), not O(steps). ``StepwiseLatency`` gives the same two methods by
+walking steps one at a time, for latency functions without a closed form.
 """
 
 from __future__ import annotations
@@ -33,24 +43,40 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-FEATURE_NAMES: tuple[str, ...] = ("1", "B", "K", "chi", "chi*K", "chi^2")
+FEATURE_NAMES: tuple[str, ...] = ("1", "B", "K", "chi", "chi*K", "chi^2", "chi*P", "P")
 """Names of the regression features, in coefficient order."""
+
+FORMAT = "linear-v2"
+"""The ``model`` field of profile files written now; ``linear-v1`` files (no ``chi*P``) still load."""
 
 FloatArray = npt.NDArray[np.float64]
 
 
 class StepLatency(Protocol):
-    """What the estimators and policies need from a latency function."""
+    """What the estimators and policies need from a latency function.
 
-    def step_s(self, batch_size: int, kv_tokens: float, chunk_tokens: float) -> float:
+    ``prefix_tokens`` is the chunk's own prefix P (0 for a request's first chunk; ignored without a chunk).
+    """
+
+    def step_s(self, batch_size: int, kv_tokens: float, chunk_tokens: float, prefix_tokens: float = 0) -> float:
         """Seconds for one step (Eq. 4)."""
         ...
 
-    def run_s(self, batch_size: int, kv_tokens: float, chunk_tokens: int, num_steps: int) -> float:
-        """Seconds for ``num_steps`` steps of ``chunk_tokens`` each, K growing by the chunk."""
+    def run_s(
+        self, batch_size: int, kv_tokens: float, chunk_tokens: int, num_steps: int, prefix_tokens: float = 0
+    ) -> float:
+        """Seconds for ``num_steps`` steps of ``chunk_tokens`` each, K and P growing by the chunk."""
         ...
 
-    def safe_steps(self, batch_size: int, kv_tokens: float, chunk_tokens: int, max_steps: int, budget_s: float) -> int:
+    def safe_steps(
+        self,
+        batch_size: int,
+        kv_tokens: float,
+        chunk_tokens: int,
+        max_steps: int,
+        budget_s: float,
+        prefix_tokens: float = 0,
+    ) -> int:
         """How many leading steps of such a run each fit in ``budget_s`` (Eq. 5), at most ``max_steps``."""
         ...
 
@@ -62,15 +88,29 @@ class StepwiseLatency:
     including non-linear ground truths, at O(steps) cost.
     """
 
-    def step_s(self, batch_size: int, kv_tokens: float, chunk_tokens: float) -> float:
+    def step_s(self, batch_size: int, kv_tokens: float, chunk_tokens: float, prefix_tokens: float = 0) -> float:
         raise NotImplementedError
 
-    def run_s(self, batch_size: int, kv_tokens: float, chunk_tokens: int, num_steps: int) -> float:
-        return sum(self.step_s(batch_size, kv_tokens + j * chunk_tokens, chunk_tokens) for j in range(num_steps))
+    def run_s(
+        self, batch_size: int, kv_tokens: float, chunk_tokens: int, num_steps: int, prefix_tokens: float = 0
+    ) -> float:
+        return sum(
+            self.step_s(batch_size, kv_tokens + j * chunk_tokens, chunk_tokens, prefix_tokens + j * chunk_tokens)
+            for j in range(num_steps)
+        )
 
-    def safe_steps(self, batch_size: int, kv_tokens: float, chunk_tokens: int, max_steps: int, budget_s: float) -> int:
+    def safe_steps(
+        self,
+        batch_size: int,
+        kv_tokens: float,
+        chunk_tokens: int,
+        max_steps: int,
+        budget_s: float,
+        prefix_tokens: float = 0,
+    ) -> int:
         for j in range(max_steps):
-            if self.step_s(batch_size, kv_tokens + j * chunk_tokens, chunk_tokens) > budget_s:
+            grown = j * chunk_tokens
+            if self.step_s(batch_size, kv_tokens + grown, chunk_tokens, prefix_tokens + grown) > budget_s:
                 return j
         return max_steps
 
@@ -83,8 +123,10 @@ class StepLatencyModel:
     c_batch: float  # per decoding request
     c_kv: float  # per resident KV token (decode attention reads)
     c_chunk: float  # per prefill token (linear layers)
-    c_chunk_kv: float  # per prefill token per resident KV token (attention to context)
+    c_chunk_kv: float  # per prefill token per resident KV token (the paper's form of the chunk's context)
     c_chunk_sq: float  # per squared prefill token (attention within the chunk)
+    c_chunk_prefix: float = 0.0  # per prefill token per token of its own prefix (attention over its context)
+    c_prefix: float = 0.0  # per token of the chunk's own prefix (reading its context), beyond c_kv
 
     @classmethod
     def from_coefficients(cls, coefficients: npt.ArrayLike) -> StepLatencyModel:
@@ -97,65 +139,111 @@ class StepLatencyModel:
     @property
     def coefficients(self) -> FloatArray:
         """Coefficient vector in ``FEATURE_NAMES`` order."""
-        return np.array([self.c0, self.c_batch, self.c_kv, self.c_chunk, self.c_chunk_kv, self.c_chunk_sq], dtype=float)
+        return np.array(
+            [
+                self.c0,
+                self.c_batch,
+                self.c_kv,
+                self.c_chunk,
+                self.c_chunk_kv,
+                self.c_chunk_sq,
+                self.c_chunk_prefix,
+                self.c_prefix,
+            ],
+            dtype=float,
+        )
 
-    def step_s(self, batch_size: int, kv_tokens: float, chunk_tokens: float) -> float:
-        """T_step(B, K, chi) in seconds (Eq. 4)."""
+    def step_s(self, batch_size: int, kv_tokens: float, chunk_tokens: float, prefix_tokens: float = 0) -> float:
+        """T_step(B, K, chi, P) in seconds (Eq. 4)."""
+        seconds = self.c0 + self.c_batch * batch_size + self.c_kv * kv_tokens
+        if not chunk_tokens:
+            return seconds
         return (
-            self.c0
-            + self.c_batch * batch_size
-            + self.c_kv * kv_tokens
-            + chunk_tokens * (self.c_chunk + self.c_chunk_kv * kv_tokens + self.c_chunk_sq * chunk_tokens)
+            seconds
+            + chunk_tokens
+            * (
+                self.c_chunk
+                + self.c_chunk_kv * kv_tokens
+                + self.c_chunk_sq * chunk_tokens
+                + self.c_chunk_prefix * prefix_tokens
+            )
+            + self.c_prefix * prefix_tokens
         )
 
     def step_s_array(
-        self, batch_size: npt.ArrayLike, kv_tokens: npt.ArrayLike, chunk_tokens: npt.ArrayLike
+        self,
+        batch_size: npt.ArrayLike,
+        kv_tokens: npt.ArrayLike,
+        chunk_tokens: npt.ArrayLike,
+        prefix_tokens: npt.ArrayLike = 0,
     ) -> FloatArray:
         """Vectorised ``step_s`` over broadcastable arrays."""
-        return features(batch_size, kv_tokens, chunk_tokens) @ self.coefficients
+        return features(batch_size, kv_tokens, chunk_tokens, prefix_tokens) @ self.coefficients
 
-    def run_s(self, batch_size: int, kv_tokens: float, chunk_tokens: int, num_steps: int) -> float:
-        """Closed-form sum of ``num_steps`` steps whose K grows by ``chunk_tokens`` per step.
+    def _growth_s(self, chunk_tokens: float) -> float:
+        """How much a step slows per token by which K and P both grow (the chunk's own KV)."""
+        return self.c_kv + self.c_prefix + (self.c_chunk_kv + self.c_chunk_prefix) * chunk_tokens
 
-        step_s(B, K, chi) = a + b * K for fixed B and chi, so the run sums an
-        arithmetic series: n * a + b * (n * K0 + chi * n * (n - 1) / 2).
+    def run_s(
+        self, batch_size: int, kv_tokens: float, chunk_tokens: int, num_steps: int, prefix_tokens: float = 0
+    ) -> float:
+        """Closed-form sum of ``num_steps`` steps whose K and P grow by ``chunk_tokens`` per step.
+
+        Step j costs step_s(B, K0, chi, P0) + b * chi * j for fixed B and chi,
+        so the run sums an arithmetic series: n * first + b * chi * n * (n - 1) / 2.
         """
         if num_steps <= 0:
             return 0.0
         n = num_steps
-        a = self.c0 + self.c_batch * batch_size + chunk_tokens * (self.c_chunk + self.c_chunk_sq * chunk_tokens)
-        b = self.c_kv + self.c_chunk_kv * chunk_tokens
-        return n * a + b * (n * kv_tokens + chunk_tokens * n * (n - 1) / 2)
+        first = self.step_s(batch_size, kv_tokens, chunk_tokens, prefix_tokens)
+        return n * first + self._growth_s(chunk_tokens) * chunk_tokens * n * (n - 1) / 2
 
-    def safe_steps(self, batch_size: int, kv_tokens: float, chunk_tokens: int, max_steps: int, budget_s: float) -> int:
+    def safe_steps(
+        self,
+        batch_size: int,
+        kv_tokens: float,
+        chunk_tokens: int,
+        max_steps: int,
+        budget_s: float,
+        prefix_tokens: float = 0,
+    ) -> int:
         """Closed-form count of leading steps within budget; agrees with stepwise ``step_s`` checks."""
-        first_s = self.step_s(batch_size, kv_tokens, chunk_tokens)
+        first_s = self.step_s(batch_size, kv_tokens, chunk_tokens, prefix_tokens)
         if max_steps <= 0 or first_s > budget_s:
             return 0
-        b = self.c_kv + self.c_chunk_kv * chunk_tokens  # growth of the step time per KV token
+        b = self._growth_s(chunk_tokens)
         if b <= 0.0:
-            return max_steps  # K growth never makes this chunk slower
-        # step j costs step_s(B, K0, chi) + b * chi * j, within budget while j <= last
+            return max_steps  # the chunk's growing context never makes it slower
+        # step j costs first_s + b * chi * j, within budget while j <= last
         last = (budget_s - first_s) / (b * chunk_tokens)
         n = max_steps if last >= max_steps else max(0, math.floor(last) + 1)
+
+        def fits(j: int) -> bool:
+            grown = j * chunk_tokens
+            return self.step_s(batch_size, kv_tokens + grown, chunk_tokens, prefix_tokens + grown) <= budget_s
+
         # Division rounding can be off by one at the boundary: settle with step_s itself.
-        while n > 1 and self.step_s(batch_size, kv_tokens + (n - 1) * chunk_tokens, chunk_tokens) > budget_s:
+        while n > 1 and not fits(n - 1):
             n -= 1
-        while n < max_steps and self.step_s(batch_size, kv_tokens + n * chunk_tokens, chunk_tokens) <= budget_s:
+        while n < max_steps and fits(n):
             n += 1
         return n
 
     def to_json(self) -> str:
         """JSON object with the coefficients and the feature names."""
-        return json.dumps({"model": "linear-v1", "features": list(FEATURE_NAMES), **asdict(self)}, indent=2)
+        return json.dumps({"model": FORMAT, "features": list(FEATURE_NAMES), **asdict(self)}, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> StepLatencyModel:
-        """Inverse of ``to_json``; a missing or non-finite coefficient raises ``ValueError``."""
+        """Inverse of ``to_json``; also reads ``linear-v1`` (the paper's form: no prefix terms).
+
+        A missing or non-finite coefficient raises ``ValueError``.
+        """
         data = json.loads(text)
-        if not isinstance(data, dict) or data.get("model") != "linear-v1":
-            raise ValueError('not a linear-v1 step-latency profile (missing "model": "linear-v1")')
-        names = [f for f in cls.__dataclass_fields__]
+        version = data.get("model") if isinstance(data, dict) else None
+        if version not in ("linear-v1", FORMAT):
+            raise ValueError(f'not a linear step-latency profile (need "model": "{FORMAT}" or "linear-v1")')
+        names = [f for f in cls.__dataclass_fields__ if version == FORMAT or f not in ("c_chunk_prefix", "c_prefix")]
         missing = [n for n in names if n not in data]
         if missing:
             raise ValueError(f"step-latency profile lacks coefficients: {', '.join(missing)}")
@@ -173,9 +261,15 @@ class StepLatencyModel:
             raise ValueError(f"{path}: {exc}") from exc
 
 
-def features(batch_size: npt.ArrayLike, kv_tokens: npt.ArrayLike, chunk_tokens: npt.ArrayLike) -> FloatArray:
-    """Design matrix with one row per step and columns in ``FEATURE_NAMES`` order."""
-    b, k, chi = np.broadcast_arrays(
-        np.asarray(batch_size, dtype=float), np.asarray(kv_tokens, dtype=float), np.asarray(chunk_tokens, dtype=float)
+def features(
+    batch_size: npt.ArrayLike, kv_tokens: npt.ArrayLike, chunk_tokens: npt.ArrayLike, prefix_tokens: npt.ArrayLike = 0
+) -> FloatArray:
+    """Design matrix with one row per step and columns in ``FEATURE_NAMES`` order (P counts only with a chunk)."""
+    b, k, chi, p = np.broadcast_arrays(
+        np.asarray(batch_size, dtype=float),
+        np.asarray(kv_tokens, dtype=float),
+        np.asarray(chunk_tokens, dtype=float),
+        np.asarray(prefix_tokens, dtype=float),
     )
-    return np.stack([np.ones_like(b), b, k, chi, chi * k, chi * chi], axis=-1)
+    p = np.where(chi > 0, p, 0.0)
+    return np.stack([np.ones_like(b), b, k, chi, chi * k, chi * chi, chi * p, p], axis=-1)

@@ -55,15 +55,17 @@ class PolicyParams:
         return self.beta * self.tbt_slo_s
 
 
-Guard = Callable[[int, int, int], int]
-"""(B, K, planned chunk) -> chunk to run this step (0: none): Eq. 5 checked when the chunk runs."""
+Guard = Callable[[int, int, int, int], int]
+"""(B, K, planned chunk, its own prefix) -> chunk to run this step (0: none): Eq. 5 checked when the chunk runs."""
 
 
 def chunk_guard(model: StepLatency, params: PolicyParams) -> Guard:
     """The decode node's run-time check of a planned chunk (Eq. 5 at run time; ``sweep.largest_safe_chunk``)."""
 
-    def guard(batch_size: int, kv_tokens: int, planned: int) -> int:
-        return largest_safe_chunk(model, batch_size, kv_tokens, planned, params.chunk_candidates, params.tbt_budget_s)
+    def guard(batch_size: int, kv_tokens: int, planned: int, prefix_tokens: int) -> int:
+        return largest_safe_chunk(
+            model, batch_size, kv_tokens, planned, params.chunk_candidates, params.tbt_budget_s, prefix_tokens
+        )
 
     return guard
 

@@ -42,6 +42,7 @@ class DecodeNodeView:
     kv_tokens: int  # K_n: KV tokens resident now
     free_kv_tokens: int  # KV capacity not yet used, in tokens
     committed: tuple[tuple[int, ...], ...] = ()  # remaining chunk schedules of deflections in flight, run order
+    head_prefilled_tokens: int = 0  # prompt tokens the first committed deflection has prefilled (its chunks' prefix)
 
     @property
     def committed_tokens(self) -> int:

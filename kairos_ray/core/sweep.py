@@ -4,15 +4,17 @@ A schedule X = [chi_1 .. chi_m] for a prompt of l_r tokens on a decode node
 with B_n decoding requests and K_n resident KV tokens is safe when every step
 satisfies
 
-    T_step(B_n, K_n + sum_{j<i} chi_j, chi_i) <= beta * tau       (Eq. 5)
+    T_step(B_n, K_n + P_i, chi_i, P_i) <= beta * tau,   P_i = sum_{j<i} chi_j       (Eq. 5)
 
-LargestSafe builds it greedily: each step takes the largest candidate that
-satisfies Eq. 5 at the KV reached so far. Since the KV of earlier chunks
-accumulates, the largest safe chunk shrinks step by step; we also never let a
-chunk grow back (candidates are scanned downwards once), so schedules are
-non-increasing even for a fitted model with odd signs. The last chunk is only
-what is left of the prompt (a step with fewer tokens than the candidate), so
-sum(X) == l_r; it is checked at its real size.
+P_i is the chunk's own prefix: its attention spans the request's earlier
+chunks (Eq. 4, ``core.latency``), and their KV is resident too. LargestSafe
+builds X greedily: each step takes the largest candidate that satisfies Eq. 5
+at the prefix reached so far. Since the prefix grows, the largest safe chunk
+shrinks step by step; we also never let a chunk grow back (candidates are
+scanned downwards once), so schedules are non-increasing even for a fitted
+model with odd signs. The last chunk is only what is left of the prompt (a
+step with fewer tokens than the candidate), so sum(X) == l_r; it is checked at
+its real size.
 
 Runs of equal chunks are counted and priced in closed form
 (``StepLatency.safe_steps``, ``StepLatency.run_s``), so a sweep costs
@@ -48,24 +50,24 @@ def largest_safe_runs(
     runs: Runs = []
     seconds = 0.0
     remaining = prompt_tokens
-    kv = kv_tokens
+    prefix = 0  # the request's tokens already scheduled: the next chunk's own prefix
     for chunk in candidates:
         if chunk < remaining:
             full = remaining // chunk
-            steps = model.safe_steps(batch_size, kv, chunk, full, tbt_budget_s)
+            steps = model.safe_steps(batch_size, kv_tokens + prefix, chunk, full, tbt_budget_s, prefix)
             if steps:
                 runs.append((chunk, steps))
-                seconds += model.run_s(batch_size, kv, chunk, steps)
+                seconds += model.run_s(batch_size, kv_tokens + prefix, chunk, steps, prefix)
                 if seconds > limit_s:
                     return None
                 remaining -= steps * chunk
-                kv += steps * chunk
+                prefix += steps * chunk
                 if remaining == 0:
                     return runs, seconds
             if steps < full:
                 continue  # this chunk stopped being safe: shrink
         # remaining <= chunk: every candidate from here down to `remaining` schedules the same last step.
-        last_s = model.step_s(batch_size, kv, remaining)
+        last_s = model.step_s(batch_size, kv_tokens + prefix, remaining, prefix)
         if last_s <= tbt_budget_s:
             runs.append((remaining, 1))
             return (runs, seconds + last_s) if seconds + last_s <= limit_s else None
@@ -103,6 +105,7 @@ def largest_safe_chunk(
     planned_tokens: int,
     candidates: Sequence[int],
     tbt_budget_s: float,
+    prefix_tokens: int = 0,
 ) -> int:
     """The engine-side guard of Eq. 5: how much of a planned chunk fits this step, 0 if nothing does.
 
@@ -110,11 +113,13 @@ def largest_safe_chunk(
     runs, other requests may have joined the batch. The decode engine runs
     ``planned_tokens`` if that still fits beta * tau, else the largest smaller
     candidate that does, else no prefill this step (it retries the next one).
+    ``kv_tokens`` is the node's resident KV now (the request's own prefix
+    included) and ``prefix_tokens`` the request's tokens prefilled so far.
     With no decode batch there is no TBT to protect: the plan runs as is.
     """
-    if batch_size == 0 or model.step_s(batch_size, kv_tokens, planned_tokens) <= tbt_budget_s:
+    if batch_size == 0 or model.step_s(batch_size, kv_tokens, planned_tokens, prefix_tokens) <= tbt_budget_s:
         return planned_tokens
     for chunk in candidates:
-        if chunk < planned_tokens and model.step_s(batch_size, kv_tokens, chunk) <= tbt_budget_s:
+        if chunk < planned_tokens and model.step_s(batch_size, kv_tokens, chunk, prefix_tokens) <= tbt_budget_s:
             return chunk
     return 0

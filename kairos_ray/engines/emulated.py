@@ -88,6 +88,7 @@ class EmulatedEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._step: tuple[int, int, int] = (0, 0, 0)  # (B, K, chi) of the step in flight
+        self._prefix = 0  # the own prefix of the chunk in that step (Eq. 4)
 
     @classmethod
     def from_spec(cls, spec: NodeSpec) -> Self:
@@ -142,7 +143,7 @@ class EmulatedEngine:
                 continue
             start = time.monotonic()
             await asyncio.sleep(step_s * self.time_scale)
-            self.reporter.stepped(*self._step, (time.monotonic() - start) / self.time_scale)
+            self.reporter.stepped(*self._step, (time.monotonic() - start) / self.time_scale, self._prefix)
             self._end(step_s)
             self.reporter.report()
 
@@ -154,6 +155,7 @@ class EmulatedEngine:
             if step is None:
                 return None
             self._step = (0, *step)
+            self._prefix = step[0]  # the head prompt's own prefix: what it has prefilled
         else:
             dstep = self.decode_node.begin_step(now)
             for job in self.decode_node.joined:
@@ -161,7 +163,8 @@ class EmulatedEngine:
             if dstep is None:
                 return None
             self._step = dstep
-        return self.truth.step_s(*self._step) * self._noise.next()
+            self._prefix = self.decode_node.prefix_tokens  # the deflected chunk's own prefix
+        return self.truth.step_s(*self._step, self._prefix) * self._noise.next()
 
     def _end(self, step_s: float) -> None:
         now = time.monotonic()

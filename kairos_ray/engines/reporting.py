@@ -41,10 +41,12 @@ class StateReporter:
         """The engine took a request: the next report acknowledges it to the router's ledger."""
         self._accepted.append(request_id)
 
-    def stepped(self, batch_size: int, kv_tokens: int, chunk_tokens: int, measured_s: float) -> None:
+    def stepped(
+        self, batch_size: int, kv_tokens: int, chunk_tokens: int, measured_s: float, prefix_tokens: int = 0
+    ) -> None:
         """The engine finished a step (Eq. 4's features and its measured time)."""
-        predicted = self.predictor.step_s(batch_size, kv_tokens, chunk_tokens) if self.predictor else 0.0
-        self._last = StepRecord(batch_size, kv_tokens, chunk_tokens, measured_s, predicted)
+        predicted = self.predictor.step_s(batch_size, kv_tokens, chunk_tokens, prefix_tokens) if self.predictor else 0.0
+        self._last = StepRecord(batch_size, kv_tokens, chunk_tokens, measured_s, predicted, prefix_tokens)
         self._steps.append(self._last)
 
     def state(

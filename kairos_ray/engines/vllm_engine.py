@@ -146,6 +146,7 @@ class VllmEngine:
         self._prefilled_since_head = 0  # prefill: prompt tokens computed since the queue's head arrived
         self._active: dict[int, int] = {}  # decode: request id -> resident tokens
         self._committed: dict[int, tuple[int, ...]] = {}  # decode: request id -> schedule, until its first token
+        self._deflect_prefilled = 0  # decode: prompt tokens the first committed deflection has prefilled
         self._staged: dict[int, tuple[dict[str, Any], list[int]]] = {}  # prefill, holding: id -> (params, ranks)
         self._waiting = 0  # requests vLLM has not scheduled yet
         self._kv_usage = 0.0
@@ -264,8 +265,13 @@ class VllmEngine:
         if details is not None and not details.is_dummy and details.elapsed_ms > 0:
             kv_tokens = sum(self._active.values())
             prefill_tokens = details.num_ctx_tokens
-            self.reporter.stepped(details.num_generation_requests, kv_tokens, prefill_tokens, details.elapsed_ms / 1e3)
+            # the chunk's own prefix: what its request had prefilled before (deflections run one at a time)
+            prefix = self._prefilled_since_head if self.role is Role.PREFILL else self._deflect_prefilled
+            elapsed_s = details.elapsed_ms / 1e3
+            self.reporter.stepped(details.num_generation_requests, kv_tokens, prefill_tokens, elapsed_s, prefix)
             self._prefilled_since_head += prefill_tokens
+            if self._committed:
+                self._deflect_prefilled += prefill_tokens
         self.reporter.report()
 
     # ---- the protocol -----------------------------------------------------------------------
@@ -403,7 +409,7 @@ class VllmEngine:
                     finished = output.finished and last
                     breakdown = None
                     if index == 0:
-                        self._committed.pop(rid, None)
+                        self._uncommit(rid)
                         waited = time.time() - submitted
                         if handoff is None:  # prefilled here, in chunks
                             breakdown = TTFTBreakdown(prefill_exec_s=waited)
@@ -424,8 +430,14 @@ class VllmEngine:
                     self._active[rid] += 1
         finally:
             self._active.pop(rid, None)
-            self._committed.pop(rid, None)
+            self._uncommit(rid)
             self.staging.discard(extra.get("kv_transfer_params"))  # left when the request ended before loading
+
+    def _uncommit(self, rid: int) -> None:
+        """A deflection's prefill is over (its first token, or its end): the next one starts from nothing."""
+        if next(iter(self._committed), None) == rid:
+            self._deflect_prefilled = 0
+        self._committed.pop(rid, None)
 
     def state(self) -> NodeState:
         if self.role is Role.PREFILL:
@@ -443,6 +455,7 @@ class VllmEngine:
             kv_tokens=kv_tokens,
             free_kv_tokens=max(0, self.kv_capacity_tokens - kv_tokens),
             committed=tuple(self._committed.values()),
+            head_prefilled_tokens=self._deflect_prefilled if self._committed else 0,
         )
         return self.reporter.state(
             decode,

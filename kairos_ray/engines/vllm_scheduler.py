@@ -14,9 +14,11 @@ a prefill without a schedule that shares the step gets the same cap.
 
 With ``extra_args["chunk_guard"] = {"coefficients": [...], "candidates":
 [...], "tbt_budget_s": t}`` the request's next chunk is also checked when it
-runs, against the decode batch of that step (``core.sweep.largest_safe_chunk``,
-Eq. 5 at run time): a batch that grew since the router planned shrinks the
-chunk; where nothing fits, one token goes, so the request still moves.
+runs, against the decode batch of that step and the request's own prefix (its
+tokens computed so far, which the chunk attends over: Eq. 4's chi * P;
+``core.sweep.largest_safe_chunk``, Eq. 5 at run time): a batch that grew since
+the router planned shrinks the chunk; where nothing fits, one token goes, so
+the request still moves.
 
 ``chunk_log`` keeps, per request with a schedule, one ``(prefill tokens, other
 requests decoding)`` pair per step it prefilled in: the record that shows the
@@ -85,8 +87,11 @@ class ChunkScheduleScheduler(Scheduler):
             return chunk
         decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
         model = _guard_model(tuple(spec["coefficients"]))
-        kv_tokens = sum(r.num_computed_tokens for r in decoding)
-        safe = largest_safe_chunk(model, len(decoding), kv_tokens, chunk, spec["candidates"], spec["tbt_budget_s"])
+        prefix = request.num_computed_tokens
+        kv_tokens = prefix + sum(r.num_computed_tokens for r in decoding)  # resident: the decodes' and its own
+        safe = largest_safe_chunk(
+            model, len(decoding), kv_tokens, chunk, spec["candidates"], spec["tbt_budget_s"], prefix
+        )
         return max(1, safe)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:

@@ -60,10 +60,56 @@ class RequestRecord:
 
     def attains(self, slo: SLOConfig) -> bool:
         """Per-request SLO attainment (module docstring)."""
-        if self.ttft_s > slo.ttft_s:
-            return False
-        gaps = self.tbt_gaps_s
-        return len(gaps) == 0 or bool(np.count_nonzero(gaps > slo.tbt_s) <= TBT_ALLOWED_SHARE * len(gaps))
+        return bool(gap_stats([self], slo).attains[0])
+
+
+@dataclass(frozen=True)
+class GapStats:
+    """Per-request TBT statistics of many records at once, in record order (``gap_stats``)."""
+
+    gaps_s: npt.NDArray[np.float64]  # every record's gaps, one after another
+    num_gaps: npt.NDArray[np.int64]
+    p95_s: npt.NDArray[np.float64]  # NaN for a request with no gap
+    max_s: npt.NDArray[np.float64]  # NaN for a request with no gap
+    attains: npt.NDArray[np.bool_]  # per-request SLO attainment (module docstring)
+
+
+def gap_stats(records: Sequence[RequestRecord], slo: SLOConfig) -> GapStats:
+    """P95 and max TBT gap and SLO attainment of every record, vectorised over all of their gaps.
+
+    The P95 is numpy's default (linear) percentile of each request's gaps,
+    read off one sort of all gaps by (request, gap) rather than one
+    ``np.percentile`` call per request. The sort key is the request's index
+    plus its gap scaled into [0, 0.5), one float: two gaps of a request closer
+    than a few 1e-12 of the largest gap may swap places, which moves a P95 by
+    as little. The max is exact.
+    """
+    n = len(records)
+    lengths = np.fromiter((len(r.tbt_gaps_s) for r in records), dtype=np.int64, count=n)
+    gaps = np.concatenate([r.tbt_gaps_s for r in records]) if n else np.empty(0)
+    owner = np.repeat(np.arange(n), lengths)
+    top = float(gaps.max()) if len(gaps) else 0.0
+    ordered = gaps[np.argsort(owner + gaps / (2 * top if top > 0 else 1.0))]
+    has = lengths > 0
+    last = np.maximum(lengths - 1, 0)
+    starts = np.cumsum(lengths) - lengths
+    rank = 0.95 * last
+    below = np.floor(rank).astype(np.int64)
+    above = np.minimum(below + 1, last)
+    safe = ordered if len(ordered) else np.zeros(1)  # indices below only read where has is true
+
+    def at(index: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
+        return np.where(has, safe[np.where(has, starts + index, 0)], np.nan)
+
+    low = at(below)
+    p95 = low + (rank - below) * (at(above) - low)
+    longest = np.full(n, np.nan)
+    if len(gaps):
+        longest[has] = np.maximum.reduceat(gaps, starts[has])
+    over = np.bincount(owner, weights=gaps > slo.tbt_s, minlength=n)
+    ttft = np.fromiter((r.ttft_s for r in records), dtype=float, count=n)
+    attains = (ttft <= slo.ttft_s) & (over <= TBT_ALLOWED_SHARE * lengths)
+    return GapStats(gaps, lengths, p95, longest, attains)
 
 
 SUMMARY_COLUMNS = (
@@ -100,11 +146,13 @@ def summarize(
     prefill_util: float = math.nan,
     decode_util: float = math.nan,
     failed: int = 0,
+    stats: GapStats | None = None,
 ) -> dict[str, Any]:
     """One summary row (``SUMMARY_COLUMNS``) of the served ``records`` (``failed`` requests got no answer);
-    utilisations are busy shares in [0, 1] where known."""
+    utilisations are busy shares in [0, 1] where known; ``stats``: their ``gap_stats``, if already computed."""
+    stats = stats or gap_stats(records, slo)
     ttft = np.array([r.ttft_s for r in records])
-    gaps = np.concatenate([r.tbt_gaps_s for r in records]) if records else np.empty(0)
+    gaps = stats.gaps_s
     start = min((r.arrival_s for r in records), default=0.0)
     end = max((r.finish_s for r in records), default=0.0)
     tokens = sum(r.output_tokens for r in records)
@@ -120,7 +168,7 @@ def summarize(
         "p95_tbt_s": _pct(gaps, 95),
         "p99_tbt_s": _pct(gaps, 99),
         "tbt_violation_pct": 100 * float(np.mean(gaps > slo.tbt_s)) if len(gaps) else 0.0,
-        "slo_attainment_pct": 100 * sum(r.attains(slo) for r in records) / len(records) if records else math.nan,
+        "slo_attainment_pct": 100 * float(np.mean(stats.attains)) if records else math.nan,
         "deflections": sum(r.route == "deflect" for r in records),
         "throughput_tok_s": tokens / (end - start) if end > start else math.nan,
         "prefill_util_pct": 100 * prefill_util,
@@ -152,11 +200,16 @@ RECORD_COLUMNS = (
 )
 
 
-def record_rows(records: Sequence[RequestRecord], slo: SLOConfig, policy: str, rps: float) -> list[dict[str, Any]]:
-    """Flat per-request rows (``RECORD_COLUMNS``) for CSV output."""
+def record_rows(
+    records: Sequence[RequestRecord], slo: SLOConfig, policy: str, rps: float, stats: GapStats | None = None
+) -> list[dict[str, Any]]:
+    """Flat per-request rows (``RECORD_COLUMNS``) for CSV output; ``stats``: their ``gap_stats``, if computed."""
+    stats = stats or gap_stats(records, slo)
+    p95s, maxes = np.round(stats.p95_s, 6).tolist(), np.round(stats.max_s, 6).tolist()
     rows = []
-    for r in records:
-        gaps = r.tbt_gaps_s
+    for r, num_gaps, p95, top, attains in zip(
+        records, stats.num_gaps.tolist(), p95s, maxes, stats.attains.tolist(), strict=True
+    ):
         rows.append(
             {
                 "policy": policy,
@@ -171,10 +224,10 @@ def record_rows(records: Sequence[RequestRecord], slo: SLOConfig, policy: str, r
                 "ttft_s": round(r.ttft_s, 6),
                 **{name: round(getattr(r, name), 6) for name in BREAKDOWN},
                 "finish_s": round(r.finish_s, 6),
-                "num_tbt_gaps": len(gaps),
-                "p95_tbt_s": round(float(np.percentile(gaps, 95)), 6) if len(gaps) else "",
-                "max_tbt_s": round(float(gaps.max()), 6) if len(gaps) else "",
-                "attains_slo": r.attains(slo),
+                "num_tbt_gaps": num_gaps,
+                "p95_tbt_s": p95 if num_gaps else "",
+                "max_tbt_s": top if num_gaps else "",
+                "attains_slo": attains,
             }
         )
     return rows

@@ -2,7 +2,7 @@
 
 The paper's predictors are profiled offline and need recalibration when the
 model or hardware changes. Here the router keeps the last ``window`` steps
-engines reported (B, K, chi and the measured time; prefill and decode nodes
+engines reported (B, K, chi, the chunk's own prefix P and the measured time; prefill and decode nodes
 alike, Eq. 4 covers both), tracks the current model's error on them (the
 live prediction error, a metric), and every ``every`` new steps refits the
 model on them (``profiling.fit``); it adopts the refit only when it predicts
@@ -34,7 +34,7 @@ class OnlineRefit:
         if every < 1 or window < every:
             raise ValueError(f"need 1 <= every <= window, got every={every}, window={window}")
         self.every = every
-        self.samples: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        self.samples: deque[tuple[float, float, float, float, float]] = deque(maxlen=window)  # B, K, chi, s, P
         self.since_refit = 0
 
     def add(self, steps: Iterable[StepRecord]) -> None:
@@ -42,7 +42,7 @@ class OnlineRefit:
         for step in steps:
             if step.measured_s > 0:
                 self.samples.append(
-                    (float(step.batch_size), float(step.kv_tokens), float(step.chunk_tokens), step.measured_s)
+                    (step.batch_size, step.kv_tokens, step.chunk_tokens, step.measured_s, step.prefix_tokens)
                 )
                 self.since_refit += 1
 
@@ -52,12 +52,12 @@ class OnlineRefit:
 
     def table(self) -> ProfileTable:
         data = np.array(self.samples, dtype=float)
-        return ProfileTable(data[:, 0], data[:, 1], data[:, 2], data[:, 3])
+        return ProfileTable(data[:, 0], data[:, 1], data[:, 2], data[:, 3], data[:, 4])
 
     def mape(self, model: StepLatencyModel) -> float:
         """The model's mean absolute percentage error on the window (the live prediction error)."""
         table = self.table()
-        predicted = model.step_s_array(table.batch_size, table.kv_tokens, table.chunk_tokens)
+        predicted = model.step_s_array(table.batch_size, table.kv_tokens, table.chunk_tokens, table.prefix_tokens)
         return float(np.mean(np.abs(predicted - table.step_s) / table.step_s))
 
     def refit(self, current: StepLatencyModel) -> Refit:

@@ -11,7 +11,9 @@ instant are handled in ``Kind`` order, then in the order they were created:
    state after all of the above, as a router would see it.
 
 Nodes are the state machines of ``kairos_ray.nodes`` (shared with the
-emulated engines); prefill steps are priced by the ground truth at B = 0. When
+emulated engines); prefill steps are priced by the ground truth at B = 0,
+every chunk attending over its own request's prefix (a decode node's
+deflected chunks too: ``DecodeNode.prefix_tokens``). When
 a prompt is done on a prefill node, its KV goes to the chosen decode node over
 that node's link: one link per decode node, FIFO, a transfer taking ``setup +
 bytes / bandwidth`` after the transfers to the same node ahead of it, so
@@ -127,7 +129,8 @@ class ClusterSim:
         step = node.begin_step(self.now)
         if step is None:
             return
-        duration = self.truth.step_s(0, *step) * self.noise.next()
+        context, chunk = step  # the head's prefilled context: the node's KV and the chunk's own prefix
+        duration = self.truth.step_s(0, context, chunk, context) * self.noise.next()
         node.busy_s += duration
         self._push(self.now + duration, Kind.PREFILL_STEP_END, node)
 
@@ -149,7 +152,7 @@ class ClusterSim:
         step = node.begin_step(self.now)
         if step is None:
             return
-        duration = self.truth.step_s(*step) * self.noise.next()
+        duration = self.truth.step_s(*step, node.prefix_tokens) * self.noise.next()
         self._push(self.now + duration, Kind.DECODE_STEP_END, (node, duration))
 
     def _end_decode_step(self, event: tuple[DecodeNode, float]) -> None:

@@ -10,7 +10,15 @@ from typing import Any
 from kairos_ray.config import KairosConfig, SLOConfig, resolve_profile
 from kairos_ray.core import Policy, StepLatencyModel, parse_spec
 from kairos_ray.emulation import ClusterHardware, GroundTruth
-from kairos_ray.metrics import RECORD_COLUMNS, SUMMARY_COLUMNS, RequestRecord, record_rows, summarize, write_csv
+from kairos_ray.metrics import (
+    RECORD_COLUMNS,
+    SUMMARY_COLUMNS,
+    RequestRecord,
+    gap_stats,
+    record_rows,
+    summarize,
+    write_csv,
+)
 from kairos_ray.sim.cluster import ClusterSim, SimResult
 from kairos_ray.workloads import Workload
 
@@ -74,17 +82,25 @@ def sweep(
     for rps, workload in runs:
         for spec in specs:
             result = setup.simulate(spec, workload, progress)
-            summary.append(summarize(result.records, slo, spec, rps, result.prefill_util, result.decode_util))
-            rows.extend(record_rows(result.records, slo, spec, rps))
+            stats = gap_stats(result.records, slo)
+            summary.append(
+                summarize(result.records, slo, spec, rps, result.prefill_util, result.decode_util, stats=stats)
+            )
+            rows.extend(record_rows(result.records, slo, spec, rps, stats))
             by_run[(spec, rps)] = result.records
     return summary, rows, by_run
 
 
-def write_outputs(out: Path, summary: list[dict[str, Any]], rows: list[dict[str, Any]], slo: SLOConfig) -> list[Path]:
-    """summary.csv, requests.csv and the plots; returns the files written."""
-    from kairos_ray.metrics.plots import plot_all
-
+def write_outputs(
+    out: Path, summary: list[dict[str, Any]], rows: list[dict[str, Any]], slo: SLOConfig, plots: bool = True
+) -> list[Path]:
+    """summary.csv, requests.csv and (unless ``plots`` is false) the plots; returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "summary.csv", SUMMARY_COLUMNS, summary)
     write_csv(out / "requests.csv", RECORD_COLUMNS, rows)
-    return [out / "summary.csv", out / "requests.csv", *plot_all(summary, out, slo)]
+    written = [out / "summary.csv", out / "requests.csv"]
+    if plots:
+        from kairos_ray.metrics.plots import plot_all  # matplotlib: imported only when drawing
+
+        written += plot_all(summary, out, slo)
+    return written

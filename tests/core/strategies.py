@@ -8,8 +8,13 @@ from hypothesis import strategies as st
 
 from kairos_ray.core import ClusterView, DecodeNodeView, PrefillNodeView, StepLatency, StepLatencyModel
 
-# A hand-checkable model: T = 0.01 + 0.001 B + chi * (1e-4 + 1e-7 K)
+# A hand-checkable model in the paper's form, the chunk priced by all resident KV:
+# T = 0.01 + 0.001 B + chi * (1e-4 + 1e-7 K)
 SIMPLE = StepLatencyModel(c0=0.01, c_batch=0.001, c_kv=0.0, c_chunk=1e-4, c_chunk_kv=1e-7, c_chunk_sq=0.0)
+# The same numbers with the chunk priced by its own prefix P instead: T = 0.01 + 0.001 B + chi * (1e-4 + 1e-7 P)
+OWN = StepLatencyModel(
+    c0=0.01, c_batch=0.001, c_kv=0.0, c_chunk=1e-4, c_chunk_kv=0.0, c_chunk_sq=0.0, c_chunk_prefix=1e-7
+)
 
 CANDIDATES = (2048, 1024, 512, 256, 128, 64)
 
@@ -24,6 +29,8 @@ def models(draw: st.DrawFn) -> StepLatencyModel:
         c_chunk=draw(st.floats(0.0, 1e-4)),
         c_chunk_kv=draw(st.floats(0.0, 1e-9)),
         c_chunk_sq=draw(st.floats(0.0, 1e-7)),
+        c_chunk_prefix=draw(st.floats(0.0, 1e-8)),
+        c_prefix=draw(st.floats(0.0, 1e-6)),
     )
 
 
@@ -44,6 +51,7 @@ def decode_nodes(draw: st.DrawFn, index: int) -> DecodeNodeView:
         kv_tokens=kv_tokens,
         free_kv_tokens=draw(st.integers(0, 1_000_000)),
         committed=tuple(committed),
+        head_prefilled_tokens=draw(st.integers(0, 4096)) if committed else 0,
     )
 
 
@@ -66,14 +74,17 @@ def reference_largest_safe(
 ) -> tuple[int, ...] | None:
     """LargestSafe one step at a time, straight from Eq. 5: the largest candidate (never growing back) that fits."""
     schedule: list[int] = []
-    i, remaining, kv = 0, prompt_tokens, kv_tokens
+    i, remaining, prefix = 0, prompt_tokens, 0
     while remaining > 0:
-        while i < len(candidates) and model.step_s(batch_size, kv, min(candidates[i], remaining)) > budget_s:
+        while (
+            i < len(candidates)
+            and model.step_s(batch_size, kv_tokens + prefix, min(candidates[i], remaining), prefix) > budget_s
+        ):
             i += 1
         if i == len(candidates):
             return None
         chunk = min(candidates[i], remaining)
         schedule.append(chunk)
         remaining -= chunk
-        kv += chunk
+        prefix += chunk
     return tuple(schedule)

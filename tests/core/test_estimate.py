@@ -12,7 +12,7 @@ from kairos_ray.core import (
 )
 from kairos_ray.core.estimate import after_committed, runs_of
 
-from .strategies import SIMPLE, models
+from .strategies import OWN, SIMPLE, models
 
 QUEUE = PrefillNodeView("p0", (300, 100))
 
@@ -39,6 +39,14 @@ def test_exact_estimate_counts_the_heads_cached_context():
     assert prefill_ttft_exact_s(SIMPLE, head_done, 100, 200) == pytest.approx(0.05)
 
 
+def test_prefill_chunks_pay_for_their_own_prompts_prefix_by_hand():
+    # 300 tokens: T(0, 0, 200) + 100 tokens at P = 200: 0.03 + 0.01 + 100 * (1e-4 + 2e-5) = 0.052;
+    # 100 tokens from P = 0: 0.02; r (100): 0.02. The paper's form gives the same: on a prefill node K = P.
+    assert prefill_ttft_exact_s(OWN, QUEUE, 100, 200) == pytest.approx(0.092)
+    # Eq. 2: the S / 2 cached tokens are the context each chunk attends over: 2 * T(0, 200, 200, P = 200)
+    assert queue_wait_paper_s(OWN, 400, 200) == pytest.approx(0.068)
+
+
 def test_estimators_differ_when_a_short_prompt_waits_behind_a_long_one():
     queue = PrefillNodeView("p0", (30_000, 200))
     paper, exact = (f(SIMPLE, queue, 200, 2048) for f in (prefill_ttft_paper_s, prefill_ttft_exact_s))
@@ -58,13 +66,28 @@ def test_eq6_decode_ttft_by_hand():
     assert decode_ttft_s(SIMPLE, 0, 0, (400, 200, 100)) == pytest.approx(0.114)
 
 
-@given(models(), st.integers(0, 128), st.integers(0, 400_000), st.lists(st.integers(1, 2048), max_size=40))
-def test_eq6_equals_the_plain_sum(model, batch_size, kv_tokens, schedule):
-    expected, kv = 0.0, kv_tokens
+def test_eq6_prices_each_chunk_by_its_own_prefix_by_hand():
+    # T(0,0,400,P=0) + T(0,400,200,P=400) + T(0,600,100,P=600), the node's 10^6 other KV tokens aside
+    assert decode_ttft_s(OWN, 0, 1_000_000, (400, 200, 100)) == pytest.approx(0.114)
+    # a deflection 400 tokens in: its next chunks start from that prefix
+    assert decode_ttft_s(OWN, 0, 400, (200, 100), prefix_tokens=400) == pytest.approx(0.064)
+
+
+@given(
+    models(),
+    st.integers(0, 128),
+    st.integers(0, 400_000),
+    st.lists(st.integers(1, 2048), max_size=40),
+    st.integers(0, 8192),
+)
+def test_eq6_equals_the_plain_sum(model, batch_size, kv_tokens, schedule, prefix):
+    expected, kv, own = 0.0, kv_tokens, prefix
     for chunk in schedule:
-        expected += model.step_s(batch_size, kv, chunk)
+        expected += model.step_s(batch_size, kv, chunk, own)
         kv += chunk
-    assert decode_ttft_s(model, batch_size, kv_tokens, schedule) == pytest.approx(expected, rel=1e-9, abs=1e-12)
+        own += chunk
+    got = decode_ttft_s(model, batch_size, kv_tokens, schedule, prefix)
+    assert got == pytest.approx(expected, rel=1e-9, abs=1e-12)
 
 
 def test_runs_of_groups_equal_neighbours():
@@ -78,3 +101,18 @@ def test_committed_deflections_run_first_and_join_the_batch():
     seconds, batch_size, kv_tokens = after_committed(SIMPLE, node)
     assert seconds == pytest.approx(0.042)
     assert (batch_size, kv_tokens) == (2, 200)
+
+
+def test_a_committed_deflection_under_way_continues_from_its_prefix():
+    node = DecodeNodeView(
+        "d0",
+        batch_size=0,
+        kv_tokens=1000,
+        free_kv_tokens=10_000,
+        committed=((100,), (100,)),
+        head_prefilled_tokens=1000,
+    )
+    # the head's last chunk: T(0, 1000, 100, P = 1000) = 0.03; the next starts from P = 0: T(1, 1100, 100) = 0.021
+    seconds, batch_size, kv_tokens = after_committed(OWN, node)
+    assert seconds == pytest.approx(0.051)
+    assert (batch_size, kv_tokens) == (2, 1200)

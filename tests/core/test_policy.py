@@ -151,12 +151,12 @@ def test_deflections_are_tbt_safe_behind_commitments_and_fit_kv(model, prompt, v
     assert node.headroom_kv_tokens >= prompt
     wait_s, batch_size, kv = after_committed(model, node)
     assert sum(decision.chunk_schedule) == prompt
-    total = wait_s
+    total, prefix = wait_s, 0
     for chunk in decision.chunk_schedule:
-        step = model.step_s(batch_size, kv, chunk)
+        step = model.step_s(batch_size, kv + prefix, chunk, prefix)
         assert step <= PARAMS.tbt_budget_s
         total += step
-        kv += chunk
+        prefix += chunk
     assert decision.ttft_decode_s == pytest.approx(total, rel=1e-9)
     assert PARAMS.alpha * decision.ttft_decode_s < decision.ttft_prefill_s
 

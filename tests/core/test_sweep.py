@@ -1,11 +1,12 @@
 import itertools
+from dataclasses import replace
 
 from hypothesis import given
 
 from kairos_ray.core import tbt_safe_schedule
 from kairos_ray.core.sweep import largest_safe_chunk, largest_safe_runs
 
-from .strategies import SIMPLE, budgets, candidate_sets, models, prompts, reference_largest_safe
+from .strategies import OWN, SIMPLE, budgets, candidate_sets, models, prompts, reference_largest_safe
 from .test_latency import Stepwise
 
 SMALL = (400, 200, 100)
@@ -20,6 +21,24 @@ def test_eq5_schedule_by_hand():
 def test_schedule_shrinks_as_kv_grows():
     # 200 stays safe up to K = 1000 (0.05), then only 100 fits: 0.01 + 100 * (1e-4 + 1e-7 K) <= 0.051 up to K = 3100
     assert tbt_safe_schedule(SIMPLE, 0, 0, 2000, SMALL, 0.051) == (400, 200, 200, 200, 200) + (100,) * 8
+
+
+def test_schedule_shrinks_with_its_own_context_on_an_idle_node():
+    # No batch and no other KV: each chunk pays only for its request's earlier chunks.
+    # 400 at P = 0 takes 0.05; at P = 400, 0.066 > 0.051, but 200 takes 0.038 and fits up to P = 1000 (0.05);
+    # from P = 1200 only 100 fits (0.01 + 100 * (1e-4 + 1e-7 P) <= 0.051 up to P = 3100).
+    assert tbt_safe_schedule(OWN, 0, 0, 2000, SMALL, 0.051) == (400, 200, 200, 200, 200) + (100,) * 8
+
+
+def test_schedule_does_not_shrink_when_only_the_nodes_other_kv_grows():
+    # Other requests' KV costs the decode part of the step (c_kv), not the chunk: with room in the budget
+    # for that (2e-4 s at 200K tokens), 200K more KV on the node leaves the schedule as it was.
+    own = replace(OWN, c_kv=1e-9)
+    idle = tbt_safe_schedule(own, 0, 0, 1600, SMALL, 0.055)
+    assert idle == (400, 200, 200, 200, 200, 200, 100, 100)
+    assert tbt_safe_schedule(own, 0, 200_000, 1600, SMALL, 0.055) == idle
+    # in the paper's form (the chunk priced by all resident KV) the same node cannot take even 100 tokens
+    assert tbt_safe_schedule(SIMPLE, 0, 200_000, 1600, SMALL, 0.055) is None
 
 
 def test_last_chunk_is_what_is_left():
@@ -53,11 +72,11 @@ def test_every_step_meets_eq5_and_chunks_never_grow(model, prompt, candidates, b
     if schedule is None:
         return
     assert sum(schedule) == prompt
-    kv = kv_tokens
+    prefix = 0
     for i, chunk in enumerate(schedule):
-        assert model.step_s(batch_size, kv, chunk) <= budget
+        assert model.step_s(batch_size, kv_tokens + prefix, chunk, prefix) <= budget
         assert chunk in candidates or i == len(schedule) - 1
-        kv += chunk
+        prefix += chunk
     assert all(a >= b for a, b in itertools.pairwise(schedule))
 
 
@@ -75,3 +94,10 @@ def test_run_time_guard_shrinks_or_holds_a_planned_chunk():
     assert largest_safe_chunk(SIMPLE, 0, 400, 400, SMALL, 0.051) == 400  # no batch, no TBT to protect
     assert largest_safe_chunk(SIMPLE, 1, 400, 400, SMALL, 0.051) == 200
     assert largest_safe_chunk(SIMPLE, 45, 0, 400, SMALL, 0.051) == 0  # T0 alone is 0.055: wait a step
+
+
+def test_run_time_guard_counts_the_chunks_own_prefix():
+    # B = 1: 400 fits 0.052 at P = 0 (0.051); 400 tokens in, 400 would take 0.067, 200 takes 0.039
+    assert largest_safe_chunk(OWN, 1, 400, 400, SMALL, 0.052, prefix_tokens=0) == 400
+    assert largest_safe_chunk(OWN, 1, 400, 400, SMALL, 0.052, prefix_tokens=400) == 200
+    assert largest_safe_chunk(OWN, 1, 300_000, 400, SMALL, 0.052) == 400  # the others' KV: not the chunk's

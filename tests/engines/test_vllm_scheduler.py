@@ -8,7 +8,10 @@ from kairos_ray.engines.vllm_scheduler import next_chunk
 from tests.engines.tiny import GREEDY, PROMPTS, engine
 
 # 10 ms a step plus 0.1 ms a prefill token, against a 16.5 ms budget: beside a decode batch at most 64-token chunks
-TIGHT_GUARD = guard_spec(StepLatencyModel.from_coefficients([0.01, 0, 0, 1e-4, 0, 0]), (256, 128, 64), 0.0165)
+TIGHT_GUARD = guard_spec(StepLatencyModel(0.01, 0, 0, 1e-4, 0, 0), (256, 128, 64), 0.0165)
+# Each prefill token also costs 0.1 us per token of its request's prefix, against 36.5 ms: 256 fits a first chunk
+# (35.6 ms), but from a prefix of 256 on only 128 does (42.2 ms against 26.1 ms)
+PREFIX_GUARD = guard_spec(StepLatencyModel(0.01, 0, 0, 1e-4, 0, 0, c_chunk_prefix=1e-7), (256, 128, 64), 0.0365)
 
 
 def test_next_chunk_walks_the_schedule():
@@ -38,9 +41,13 @@ def runs():
         llm = engine(scheduler_cls="kairos_ray.engines.vllm_scheduler.ChunkScheduleScheduler")
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         greedy = GREEDY
-        deflected, guarded = [], []
+        deflected, guarded, by_prefix = [], [], []
         for prompt in PROMPTS:
-            for extra, out in (({}, deflected), ({GUARD_KEY: TIGHT_GUARD}, guarded)):
+            for extra, out in (
+                ({}, deflected),
+                ({GUARD_KEY: TIGHT_GUARD}, guarded),
+                ({GUARD_KEY: PREFIX_GUARD}, by_prefix),
+            ):
                 # a request already decoding, then the deflected one: its chunks share steps with the decode
                 decoder = {"prompt_token_ids": list(range(50, 60))}
                 extra = {"chunk_schedule": schedule_for(len(prompt)), **extra}
@@ -60,11 +67,11 @@ def runs():
                 [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=8, **greedy), use_tqdm=False
             )
         ]
-    return deflected, reference, guarded
+    return deflected, reference, guarded, by_prefix
 
 
 def test_deflected_prefill_follows_its_schedule_interleaved_with_decodes(runs):
-    deflected, _, _ = runs
+    deflected, _, _, _ = runs
     for prompt, (_, record) in zip(PROMPTS, deflected, strict=True):
         assert [tokens for tokens, _ in record] == schedule_for(len(prompt))
         if len(record) > 1:
@@ -72,15 +79,29 @@ def test_deflected_prefill_follows_its_schedule_interleaved_with_decodes(runs):
 
 
 def test_deflected_tokens_equal_a_plain_engines(runs):
-    deflected, reference, guarded = runs
+    deflected, reference, guarded, by_prefix = runs
     assert [tokens for tokens, _ in deflected] == reference
     assert [tokens for tokens, _ in guarded] == reference
+    assert [tokens for tokens, _ in by_prefix] == reference
 
 
 def test_the_run_time_guard_shrinks_chunks_that_no_longer_fit_beside_the_batch(runs):
     """Beside a decoding request only 64-token chunks fit TIGHT_GUARD's budget; alone, the plan runs as is."""
-    _, _, guarded = runs
+    _, _, guarded, _ = runs
     for prompt, (_, record) in zip(PROMPTS, guarded, strict=True):
         assert sum(tokens for tokens, _ in record) == len(prompt)
         assert all(tokens <= 64 for tokens, decoding in record if decoding)
     assert max(tokens for tokens, _ in guarded[-1][1]) > 64  # chunks ran unshrunk where no decode ran beside
+
+
+def test_the_run_time_guard_counts_the_requests_own_prefix(runs):
+    """Beside a decoding request, the first 256-token chunk fits PREFIX_GUARD; once 256 tokens are in, only 128."""
+    _, _, _, by_prefix = runs
+    for prompt, (_, record) in zip(PROMPTS, by_prefix, strict=True):
+        assert sum(tokens for tokens, _ in record) == len(prompt)
+        prefix = 0
+        for tokens, decoding in record:
+            if decoding and prefix >= 256:
+                assert tokens <= 128
+            prefix += tokens
+    assert any(tokens == 256 for tokens, _ in by_prefix[-1][1])  # the unshrunk first chunk

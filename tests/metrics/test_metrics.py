@@ -1,8 +1,10 @@
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kairos_ray.config import SLOConfig
-from kairos_ray.metrics import RequestRecord, record_rows, summarize
+from kairos_ray.metrics import RequestRecord, gap_stats, record_rows, summarize
 
 SLO = SLOConfig(ttft_s=1.0, tbt_s=0.05)
 
@@ -58,3 +60,19 @@ def test_record_rows_carry_every_column():
     (row,) = record_rows([record(0, 0.2, [0.01, 0.03])], SLO, "pd", 2.0)
     assert row["num_tbt_gaps"] == 2 and row["max_tbt_s"] == pytest.approx(0.03)
     assert row["attains_slo"] is True and row["route"] == "prefill"
+
+
+@given(st.lists(st.lists(st.floats(0.0, 0.2), max_size=30), max_size=20), st.floats(0.0, 2.0))
+def test_vectorised_gap_stats_equal_the_per_request_numbers(gap_lists, ttft):
+    records = [record(i, ttft, gaps) for i, gaps in enumerate(gap_lists)]
+    stats = gap_stats(records, SLO)
+    for r, n, p95, top, attains in zip(records, stats.num_gaps, stats.p95_s, stats.max_s, stats.attains, strict=True):
+        gaps = r.tbt_gaps_s
+        assert n == len(gaps)
+        if len(gaps):
+            assert p95 == pytest.approx(np.percentile(gaps, 95), rel=1e-9, abs=1e-12)  # seconds: a ps is nothing
+            assert top == gaps.max()
+        else:
+            assert np.isnan(p95) and np.isnan(top)
+        over = np.count_nonzero(gaps > SLO.tbt_s)
+        assert attains == (r.ttft_s <= SLO.ttft_s and over <= 0.05 * len(gaps))

@@ -14,7 +14,7 @@ from kairos_ray.workloads import Request, Workload
 class Fixed(StepwiseLatency):
     """Every step: 0.1 s plus 1 ms per prefill token, whatever the batch and KV."""
 
-    def step_s(self, batch_size: int, kv_tokens: float, chunk_tokens: float) -> float:
+    def step_s(self, batch_size: int, kv_tokens: float, chunk_tokens: float, prefix_tokens: float = 0) -> float:
         return 0.1 + 0.001 * chunk_tokens
 
 

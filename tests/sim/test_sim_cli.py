@@ -34,11 +34,12 @@ def test_sim_replays_a_trace_at_its_own_rate(tmp_path):
         "arrival_s,prompt_tokens,output_tokens\n" + "".join(f"{i * 0.5},{500 + i},{20}\n" for i in range(40))
     )
     out = tmp_path / "out"
-    result = kairos("sim", "--trace", str(trace), "--policies", "kairos", "--out", str(out))
+    result = kairos("sim", "--trace", str(trace), "--policies", "kairos", "--out", str(out), "--no-plots")
     assert result.returncode == 0, result.stderr
     with (out / "summary.csv").open() as f:
         (row,) = list(csv.DictReader(f))
     assert float(row["rps"]) == 2.0 and row["requests"] == "40"
+    assert sorted(p.name for p in out.iterdir()) == ["requests.csv", "summary.csv"]  # --no-plots: no PNG
 
 
 def test_sim_bad_input_is_a_message(tmp_path):
