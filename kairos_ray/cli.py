@@ -36,6 +36,8 @@ examples:
   kairos config check kairos.yaml      validate a configuration file
   kairos profile -o steps.csv          time a real vLLM engine's steps (the tiny CPU model by default)
   kairos fit steps.csv -o profile.json fit the step-latency model to measured steps
+  kairos chaos --url http://127.0.0.1:8000
+                                       inject faults into a running app under load
 """
 
 
@@ -60,6 +62,12 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
     load_config(args.file)
     print(f"{args.file}: ok")
     return 0
+
+
+def _cmd_chaos(args: argparse.Namespace) -> int:
+    from kairos_ray.bench.chaos import run_command
+
+    return run_command(args)
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
@@ -360,6 +368,17 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--seed", type=int, default=0, help="seed of the hold-out split (0)")
     fit.add_argument("--plot", metavar="FILE.png", help="predicted-vs-measured plot (default: beside the profile)")
     fit.set_defaults(func=_cmd_fit)
+
+    from kairos_ray.bench.chaos import add_arguments as chaos_arguments
+
+    chaos = commands.add_parser(
+        "chaos",
+        help="inject faults into a running app under load; print what clients saw",
+        description="Inject each fault in turn into a running Kairos app while it serves a bursty workload, and "
+        "print per fault: requests completed, failed with a clean error, hung, lost, and the time to recover.",
+    )
+    chaos_arguments(chaos)
+    chaos.set_defaults(func=_cmd_chaos)
     return parser
 
 

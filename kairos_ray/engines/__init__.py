@@ -40,7 +40,7 @@ class EngineOptions:
     time_scale: float = 1.0  # emulated: wall seconds per emulated second
     kv_scale: int = 1000  # emulated: KV payload bytes divided by this
     seed: int = 0  # emulated: step-noise seed (per node: plus a hash of its id)
-    stall_timeout_s: float = 20.0  # unhealthy: work but no step (or no answer to a ping) for this long
+    stall_timeout_s: float = 10.0  # unhealthy: no step and no answer to a ping for this long
 
 
 @dataclass(frozen=True)

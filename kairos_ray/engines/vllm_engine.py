@@ -122,7 +122,7 @@ class VllmEngine:
         staging_dir: str | None = None,
         kv_channel: str | None = None,
         hold_blocks: bool = False,
-        stall_timeout_s: float = 20.0,
+        stall_timeout_s: float = 10.0,
         app_name: str = "kairos",
         secret: bytes = b"",
     ) -> None:
