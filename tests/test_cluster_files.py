@@ -57,3 +57,18 @@ def test_dashboard_and_metrics_listen_on_the_private_address_only():
         head = " ".join(load(ROOT / "cluster" / cluster)["head_start_ray_commands"])
         assert '--dashboard-host="$(hostname -I' in head
         assert "0.0.0.0" not in head
+
+
+@pytest.mark.parametrize("cluster, serve_config", PAIRS)
+def test_production_clusters_authenticate_and_fence_the_metrics_port(cluster, serve_config):
+    config = load(ROOT / "cluster" / cluster)
+    subnet = config["provider"]["subnet_mask"]
+    for commands in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = [c for c in config[commands] if "ray start" in c]
+        assert starts and all("RAY_AUTH_MODE=token ray start" in c for c in starts)  # Ray's token auth
+    assert config["file_mounts"]["~/.ray/auth_token"] and config["file_mounts"]["~/.kairos/api_keys"]
+    fence = [c for c in config["setup_commands"] if "iptables" in c]
+    assert fence and f"--dport 8080 ! -s {subnet} -j DROP" in fence[0]
+    (app,) = load(ROOT / "serve_configs" / serve_config)["applications"]
+    serving = app["args"]["serving"]
+    assert serving["require_api_key"] and serving["api_key_file"] == "~/.kairos/api_keys"

@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
 import statistics
@@ -59,6 +60,7 @@ FAULTS = (
     "client-wave",
 )
 OUTCOMES = ("completed", "failed", "hung", "lost")
+FRESH_S = 2.0  # a node whose last report is older is not serving (engines report at least every second)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +93,10 @@ class Chaos:
         return states
 
     def whole(self) -> bool:
-        return Counter(s.role for s in self.states().values()) == self.pools
+        """Every node of both pools in the router's view, each with a report of the last two seconds."""
+        states = self.states().values()
+        fresh = all(time.time() - s.wall_s < FRESH_S for s in states)
+        return fresh and Counter(s.role for s in states) == self.pools
 
     # ---- clients ------------------------------------------------------------------------
 
@@ -202,29 +207,45 @@ class Chaos:
         await asyncio.sleep(fault_at_s)
         states = await asyncio.to_thread(self.states)
         injected = time.monotonic()
+        watching = asyncio.create_task(self.watch(injected, replay))
         note = await self.inject(fault, states)
-        serving_s = await self.serving_again(injected)
         outcomes = await replay
-        await self.until(lambda: asyncio.to_thread(self.whole), 900, "every node back")
-        full_s = time.monotonic() - injected
+        serving_s, full_s = await watching
         await self.until(self._settled, 120, "no request in flight")
         counts = {name: outcomes.count(name) for name in OUTCOMES}
         return FaultRow(fault, len(outcomes), counts, serving_s, full_s, await self.in_flight(), note)
 
+    async def watch(self, since: float, replay: asyncio.Task[list[str]]) -> tuple[float, float]:
+        """(seconds from ``since`` until requests sent then are served again, until every node is back).
+
+        A probe goes out every half second, each on its own, until the replay
+        is over and the view is whole again; the app serves again from the
+        first of three probes in a row that succeed. The view is back when it is
+        whole (``whole``) after the last moment it was not (0 when it never was
+        broken: no node went silent or left).
+        """
+        probes: list[tuple[float, asyncio.Task[bool]]] = []
+        broken, back = False, since
+        while not (replay.done() and back >= since and (not broken or back > since)):
+            probes.append((time.monotonic(), asyncio.create_task(self.probe())))
+            if not await asyncio.to_thread(self.whole):
+                broken, back = True, since - 1  # not back (yet)
+            elif broken and back < since:
+                back = time.monotonic()
+            if time.monotonic() - since > 900:
+                raise TimeoutError("the app did not recover within 900 s")
+            await asyncio.sleep(0.5)
+        full_s = back - since if broken else 0.0
+        results = [(sent, await task) for sent, task in probes]
+        serving_s = math.inf
+        for i in range(len(results) - 2):
+            if all(ok for _, ok in results[i : i + 3]):
+                serving_s = max(0.0, results[i][0] - since)
+                break
+        return serving_s, full_s
+
     async def _settled(self) -> bool:
         return await self.in_flight() == 0
-
-    async def serving_again(self, since: float) -> float:
-        """Seconds from ``since`` to the first of three probes in a row that succeed."""
-        streak, first = 0, since
-        while streak < 3:
-            ok = await self.probe()
-            if ok and streak == 0:
-                first = time.monotonic()
-            streak = streak + 1 if ok else 0
-            if not ok:
-                await asyncio.sleep(0.5)
-        return first - since
 
     @staticmethod
     async def until(condition: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
