@@ -158,6 +158,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     for line in result.failures[:10]:
         print(f"failed: {line}")
     print(
+        f"sent at {result.achieved_rps:.2f} req/s against {result.scheduled_rps:.2f} scheduled; "
+        f"send lag P50 {1e3 * result.p50_send_lag_s:.1f} ms, max {1e3 * result.max_send_lag_s:.1f} ms"
+    )
+    if result.behind:
+        print("warning: the load generator fell behind the schedule by more than 2 %: this machine is too busy to "
+              "replay this workload at this rate; the figures describe a lighter load", file=sys.stderr)  # fmt: skip
+    print(
         f"{len(result.records)} of {len(workload)} requests served in {result.wall_s:.1f} s "
         f"({len(result.failures)} failed); P50/P95 TTFT {row['p50_ttft_s']:.3f}/{row['p95_ttft_s']:.3f} s, "
         f"P95 TBT {1000 * row['p95_tbt_s']:.1f} ms, {row['tbt_violation_pct']:.2f} % TBT violations, "
@@ -165,6 +172,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     )
     if written:
         print(f"wrote {', '.join(str(p) for p in written)}")
+    if args.compare_sim:
+        from kairos_ray.sim.run import SimSetup, compare_rows
+
+        config = _config(args.config)
+        setup = SimSetup.from_config(config, None, args.prefill, args.decode, args.seed)
+        simulated = setup.simulate(config.policy.name, workload)
+        sim_row = summarize(simulated.records, slo, config.policy.name, rps)
+        print(compare_rows(sim_row, row))
     return 0 if result.records else 1
 
 
@@ -319,6 +334,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--context", type=_positive_int, default=32_768, help="clip lengths to this context (32768)")
     bench.add_argument("--label", default="live", help="policy column of the summary (%(default)s)")
     bench.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds (600)")
+    bench.add_argument(
+        "--compare-sim",
+        action="store_true",
+        help="also run the same workload and seed through `kairos sim` (the config's policy and profile, "
+        "--prefill/--decode nodes) and print both summaries side by side",
+    )
+    bench.add_argument("--prefill", type=_positive_int, default=2, help="prefill nodes, with --compare-sim (2)")
+    bench.add_argument("--decode", type=_positive_int, default=2, help="decode nodes, with --compare-sim (2)")
     _add_run_options(bench, "for the SLO", "a synthetic workload", "bench-out")
     bench.set_defaults(func=_cmd_bench)
 

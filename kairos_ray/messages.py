@@ -7,8 +7,9 @@ frozen structs, every field commented, units in the names.
 |---|---|---|
 | ``EngineRequest`` | ingress -> prefill or decode node | ``serve.dispatch`` |
 | ``KVHandoff`` | prefill node -> (ingress) -> decode node | each engine's ``prefill`` |
-| ``TokenEvent`` | decode node -> ingress | each engine's ``generate`` |
+| ``TokenEvent`` (streamed in lists: the tokens ready at once) | decode node -> ingress | each engine's ``generate`` |
 | ``NodeState`` (with its ``StepRecord`` s) | engine node -> router | ``engines.reporting.StateReporter`` |
+| ``DecisionRequest`` | ingress -> router | ``serve.dispatch`` (batched per event-loop tick) |
 | ``RoutingReply`` | router -> ingress | ``serve.router.Router.decide`` (or the ingress's fallback) |
 
 Per-request timing (a running TBT clock, the TTFT) stays with the request's
@@ -128,6 +129,16 @@ class NodeState:
     @property
     def last_step(self) -> StepRecord | None:
         return self.steps[-1] if self.steps else None
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionRequest:
+    """What the router needs to route one request."""
+
+    request_id: int
+    prompt_tokens: int  # l_r
+    output_tokens: int  # max_tokens: a deflection reserves KV for them on its node
+    avoid: tuple[str, ...] = ()  # nodes that failed this request: decide without them
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,8 +80,14 @@ class Engine(Protocol):
         """Prefill the whole prompt and hand its KV over (prefill nodes)."""
         ...
 
-    def generate(self, request: EngineRequest, handoff: KVHandoff | None) -> AsyncIterator[TokenEvent]:
-        """Stream the request's tokens (decode nodes): from ``handoff``'s KV, or deflected per its chunk schedule."""
+    def generate(self, request: EngineRequest, handoff: KVHandoff | None) -> AsyncIterator[list[TokenEvent]]:
+        """Stream the request's tokens (decode nodes): from ``handoff``'s KV, or deflected per its chunk schedule.
+
+        Each item holds every token that is ready when the consumer asks: one
+        item per token while it keeps up, several once it falls behind (never
+        waiting to batch), so that a slow serving path does not fall further
+        behind with one message per token.
+        """
         ...
 
     def release(self, request_id: int) -> None:

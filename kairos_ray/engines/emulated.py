@@ -271,7 +271,7 @@ class EmulatedEngine:
             return False
         return sum(len(b) for b in payload.values()) == handoff.kv_bytes
 
-    async def generate(self, request: EngineRequest, handoff: KVHandoff | None) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: EngineRequest, handoff: KVHandoff | None) -> AsyncIterator[list[TokenEvent]]:
         if self.role is not Role.DECODE:
             raise RuntimeError(f"{self.node_id} is a {self.role} node")
         job = Job(next(self._job_ids), time.monotonic(), request.prompt_tokens, request.max_tokens)
@@ -304,9 +304,11 @@ class EmulatedEngine:
             self.reporter.accepted(request.request_id)
             self._wake.set()
             while not finished:
-                event = await stream.get()
-                finished = event.finished
-                yield event
+                ready = [await stream.get()]
+                while not stream.empty():  # coalesce what is already there, never wait for more
+                    ready.append(stream.get_nowait())
+                finished = ready[-1].finished
+                yield ready
         finally:
             self._streams.pop(job.request_id, None)
             if not finished:  # the client went away, or the request failed: the node drops the job

@@ -369,7 +369,7 @@ class VllmEngine:
             )
             return None
 
-    async def generate(self, request: EngineRequest, handoff: KVHandoff | None) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: EngineRequest, handoff: KVHandoff | None) -> AsyncIterator[list[TokenEvent]]:
         if self.role is not Role.DECODE:
             raise RuntimeError(f"{self.node_id} is a {self.role} node")
         rid = request.request_id
@@ -401,9 +401,11 @@ class VllmEngine:
         try:
             params = self._sampling(request, request.max_tokens, extra)
             request_id = f"d{rid}.{request.attempt}"
+            # vLLM merges the deltas a slow consumer has not taken yet: one output, every token ready
             async for output in self.llm.generate(prompt, params, request_id=request_id):
                 completion = output.outputs[0]
                 ids = list(completion.token_ids)
+                ready = []
                 for i, token in enumerate(ids):
                     last = i == len(ids) - 1
                     finished = output.finished and last
@@ -417,17 +419,21 @@ class VllmEngine:
                             breakdown = TTFTBreakdown(
                                 earlier.prefill_queue_s, earlier.prefill_exec_s, earlier.kv_transfer_s, waited
                             )
-                    yield TokenEvent(
-                        token,
-                        request.output_offset + index,
-                        finished,
-                        self.node_id,
-                        text=completion.text if last else "",
-                        finish_reason=(completion.finish_reason or "length") if finished else None,
-                        breakdown=breakdown,
+                    ready.append(
+                        TokenEvent(
+                            token,
+                            request.output_offset + index,
+                            finished,
+                            self.node_id,
+                            text=completion.text if last else "",
+                            finish_reason=(completion.finish_reason or "length") if finished else None,
+                            breakdown=breakdown,
+                        )
                     )
                     index += 1
-                    self._active[rid] += 1
+                self._active[rid] += len(ids)
+                if ready:
+                    yield ready
         finally:
             self._active.pop(rid, None)
             self._uncommit(rid)

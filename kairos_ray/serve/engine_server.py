@@ -93,9 +93,9 @@ class EngineServer:
 
     async def generate(
         self, request: EngineRequest, handoff: KVHandoff | None, node: str | None = None, avoid: tuple[str, ...] = ()
-    ) -> AsyncIterator[TokenEvent]:
-        async for event in self.engine.generate(request, handoff):
-            yield event
+    ) -> AsyncIterator[list[TokenEvent]]:
+        async for ready in self.engine.generate(request, handoff):
+            yield ready
 
     def check_health(self) -> None:
         """Serve's health check: an engine that died or stalled fails it, and Serve replaces this replica."""

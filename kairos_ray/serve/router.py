@@ -34,7 +34,7 @@ from ray import serve
 
 from kairos_ray.config import KairosConfig
 from kairos_ray.core import ClusterView, Decision, DecodeNodeView, Policy, PrefillNodeView, apply_decision
-from kairos_ray.messages import NodeState, RoutingReply
+from kairos_ray.messages import DecisionRequest, NodeState, RoutingReply
 from kairos_ray.serve.metrics import RouterMetrics
 from kairos_ray.serve.refit import OnlineRefit
 
@@ -115,15 +115,20 @@ class Router:
         self.metrics = RouterMetrics()
         self.refit = OnlineRefit(refit_every_steps) if refit_every_steps else None
 
-    async def decide(
-        self, request_id: int, prompt_tokens: int, output_tokens: int, avoid: tuple[str, ...] = ()
-    ) -> RoutingReply:
-        """Decide on the live nodes but those in ``avoid`` (they failed this request)."""
+    async def decide(self, request: DecisionRequest) -> RoutingReply:
+        """Decide on the live nodes but those the request avoids (they failed it)."""
         start = time.perf_counter()
-        decision, staleness = self.state.decide(request_id, prompt_tokens, output_tokens, time.monotonic(), avoid)
+        r = request
+        decision, staleness = self.state.decide(
+            r.request_id, r.prompt_tokens, r.output_tokens, time.monotonic(), r.avoid
+        )
         decision_s = time.perf_counter() - start
         self.metrics.decided(decision, decision_s, staleness)
         return RoutingReply(decision, decision_s, staleness)
+
+    async def decide_many(self, requests: list[DecisionRequest]) -> list[RoutingReply]:
+        """Decide requests one after another, in order, each seeing the ones before in the ledger."""
+        return [await self.decide(request) for request in requests]
 
     async def report(self, state: NodeState) -> None:
         self.state.report(state, time.monotonic())

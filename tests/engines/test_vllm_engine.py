@@ -94,7 +94,7 @@ def reference(nodes):
 
 
 async def tokens(decode, req, handoff):
-    return [event.token_id async for event in decode.generate(req, handoff)]
+    return [event.token_id async for ready in decode.generate(req, handoff) for event in ready]
 
 
 def test_disaggregated_requests_over_the_object_store_match_a_plain_run(nodes, reference):

@@ -99,3 +99,12 @@ def test_api_keys_come_from_the_config_the_environment_and_a_file(tmp_path, monk
     assert not open_door.required and open_door.allows(None)
     with pytest.raises(ValueError, match="api_key_file 'nowhere' cannot be read"):
         ApiKeys.gather([], None, "nowhere")
+
+
+def test_continuous_usage_counts_the_tokens_so_far_in_every_event():
+    writer = ResponseWriter("m", False, DEFLECTED, prompt_tokens=10, continuous_usage=True)
+    chunks = events([writer.token(t) for t in tokens(3)])
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3]
+    assert all(c["usage"]["prompt_tokens"] == 10 for c in chunks)
+    plain = events([ResponseWriter("m", False, DEFLECTED, prompt_tokens=10).token(tokens(1)[0])])
+    assert "usage" not in plain[0]
