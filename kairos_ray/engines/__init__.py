@@ -33,7 +33,8 @@ ENGINES: dict[str, str] = {
 class EngineOptions:
     """The serving knobs engines use (from the app's ``serving`` section)."""
 
-    report_interval_s: float = 0.02  # push state to the router at most this often (plus a heartbeat when idle)
+    report_interval_s: float = 0.02  # push a change of the node's shape to the router at most this often
+    report_refresh_s: float = 0.25  # push otherwise (the KV's steady growth) this often while stepping
     kv_timeout_s: float = 30.0  # decode: past this wait for a hand-off's KV, recompute the prompt
     kv_channel: Literal["gloo", "nccl"] | None = None  # vLLM: gloo/NCCL pairs for hand-offs to a named decode node
     kv_hold_blocks: bool = False  # vLLM prefill: keep a hand-off's KV blocks until the decode node has them

@@ -102,7 +102,7 @@ class EmulatedEngine:
             model,
             hardware,
             spec.prefill_chunk_tokens,
-            StateReporter(spec.ray_node_id, model, spec.on_state, options.report_interval_s),
+            StateReporter(spec.ray_node_id, model, spec.on_state, options.report_interval_s, options.report_refresh_s),
             build_transport(spec.node_id, "", options.kv_timeout_s, secret=spec.app_secret),
             guard=spec.policy.chunk_guard(),
             time_scale=options.time_scale,

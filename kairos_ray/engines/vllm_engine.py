@@ -169,7 +169,9 @@ class VllmEngine:
             spec.role,
             spec.model_source,
             spec.engine_kwargs,
-            reporter=StateReporter(spec.ray_node_id, model, spec.on_state, options.report_interval_s),
+            reporter=StateReporter(
+                spec.ray_node_id, model, spec.on_state, options.report_interval_s, options.report_refresh_s
+            ),
             guard=guard,
             kv_timeout_s=options.kv_timeout_s,
             kv_channel=options.kv_channel,

@@ -143,7 +143,10 @@ class ServingConfig(_Strict):
     api_key_file: str | None = Field(None, description="file with more API keys, one per line")
     require_api_key: bool = Field(False, description="refuse to start without an API key")
     report_interval_s: float = Field(
-        ENGINE.report_interval_s, gt=0, description="engines push state at most this often"
+        ENGINE.report_interval_s, gt=0, description="engines push a change of queue, batch or commitments this often"
+    )
+    report_refresh_s: float = Field(
+        ENGINE.report_refresh_s, gt=0, description="engines push their state otherwise this often while they step"
     )
     time_scale: float = Field(ENGINE.time_scale, gt=0, description="emulated engines: wall seconds per emulated second")
     kv_scale: int = Field(ENGINE.kv_scale, ge=1, description="emulated engines: KV payload bytes divided by this")
@@ -171,6 +174,7 @@ class ServingConfig(_Strict):
         """What the engines use of this section."""
         return EngineOptions(
             report_interval_s=self.report_interval_s,
+            report_refresh_s=self.report_refresh_s,
             kv_timeout_s=self.kv_timeout_s,
             kv_channel=self.kv_channel,
             kv_hold_blocks=self.kv_hold_blocks,

@@ -37,7 +37,9 @@ def engine(role: Role, states: list[NodeState], **options) -> EmulatedEngine:
         policy=KairosConfig().build_policy(),
         profile=PROFILE,
         prefill_chunk_tokens=2048,
-        options=EngineOptions(time_scale=0.05, kv_scale=KV_SCALE, report_interval_s=0.0, **options),
+        options=EngineOptions(
+            time_scale=0.05, kv_scale=KV_SCALE, report_interval_s=0.0, report_refresh_s=0.0, **options
+        ),
         on_state=states.append,
     )
     built = build_engine("emulated", spec)

@@ -63,7 +63,7 @@ def nodes(tmp_path_factory):
         staging = str(tmp_path_factory.mktemp(role))
         return {}, {
             "kv_timeout_s": KV_TIMEOUT_S,
-            "reporter": StateReporter("", MODEL, states[role].append, interval_s=0.0),  # a report per step
+            "reporter": StateReporter("", MODEL, states[role].append, interval_s=0.0, refresh_s=0.0),  # every step
             "staging_dir": staging,
             "kv_channel": "gloo",
             "hold_blocks": role == "prefill",  # the prefill node keeps its blocks until the KV is taken
