@@ -35,6 +35,7 @@ HEALTH_CHECK_TIMEOUT_S = 20.0  # a replica that does not answer in time (its pro
     graceful_shutdown_timeout_s=120,
     health_check_period_s=HEALTH_CHECK_PERIOD_S,
     health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
+    logging_config={"enable_access_log": False},  # calls are per request and per release: the ingress logs requests
 )
 class EngineServer:
     """A node of the ``role`` pool."""

@@ -104,7 +104,12 @@ class RouterState:
         return decision, staleness
 
 
-@serve.deployment(num_replicas=1, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+@serve.deployment(
+    num_replicas=1,
+    max_ongoing_requests=4096,
+    ray_actor_options={"num_cpus": 0},
+    logging_config={"enable_access_log": False},  # a log line per report and decision would cost more than both
+)
 class Router:
     """One replica: every decision goes through it, so it sees every dispatch."""
 
