@@ -31,6 +31,7 @@ from ray.serve.handle import DeploymentHandle
 from kairos_ray.messages import EngineRequest, TokenEvent
 from kairos_ray.serve.args import ServingConfig
 from kairos_ray.serve.dispatch import Dispatcher, Started
+from kairos_ray.serve.live import live_state
 from kairos_ray.serve.metrics import IngressMetrics
 from kairos_ray.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from kairos_ray.serve.responses import ResponseWriter, route_headers
@@ -88,6 +89,14 @@ class Ingress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, ChatCompletionRequest, chat=True)
+
+    @app.get("/kairos/state")
+    async def kairos_state(self) -> Response:
+        """The live view ``kairos top`` shows: ``messages.LiveState`` as JSON (503 if the router does not answer)."""
+        try:
+            return JSONResponse(await live_state(self.dispatcher.router, self.metrics.window))
+        except Exception as exc:  # whatever keeps the router from answering
+            return _error(503, f"the router did not answer: {type(exc).__name__}: {exc}")
 
     # ---- one request -------------------------------------------------------------------------
 
