@@ -12,6 +12,8 @@ export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}   # one local cluster on loopbac
 URL=http://127.0.0.1:8000
 DASHBOARD=http://127.0.0.1:8265   # Ray's dashboard: its Serve page, and where `serve status` and `ray list` ask
 METRICS=http://127.0.0.1:8080/metrics   # this node's Prometheus metrics (ray_kairos_*, ray_vllm_*)
+PROMETHEUS=http://127.0.0.1:9090   # a local Prometheus scraping them, where the prometheus package is installed
+PROM_DIR=/tmp/kairos-prometheus
 case "${1:-cpu}" in
     cpu) CONFIG=serve_configs/2p2d-cpu.yaml MODEL=tiny-llama WORDS=600 BENCH=(--workload lpld --rps 4 --requests 40 --context 2048)
          READY_S=900 ;;
@@ -27,6 +29,17 @@ if ! ray status --address auto >/dev/null 2>&1; then
         --resources='{"prefill_node": 2, "decode_node": 2}' >/dev/null
 fi
 echo "run: Ray's dashboard: $DASHBOARD (Serve page: $DASHBOARD/#/serve)"
+if command -v prometheus >/dev/null && ! curl -sf -o /dev/null "$PROMETHEUS/-/ready"; then
+    mkdir -p "$PROM_DIR"
+    printf '%s\n' 'global: {scrape_interval: 5s}' 'scrape_configs:' \
+        '  - {job_name: ray, static_configs: [{targets: ["127.0.0.1:8080"]}]}' >"$PROM_DIR/prometheus.yml"
+    prometheus --config.file="$PROM_DIR/prometheus.yml" --web.listen-address=127.0.0.1:9090 \
+        --storage.tsdb.path="$PROM_DIR/data" >"$PROM_DIR/log" 2>&1 &
+    echo $! >"$PROM_DIR/pid"
+fi
+if command -v prometheus >/dev/null; then
+    echo "run: Prometheus: $PROMETHEUS (query e.g. sum by (route) (rate(ray_kairos_decisions_total[1m])))"
+fi
 echo "run: deploying $CONFIG (vLLM engines take a minute or two to start on 2 cores)"
 serve run --non-blocking --address auto "$CONFIG" >/tmp/kairos-serve-run.log 2>&1 \
     || { tail -20 /tmp/kairos-serve-run.log; exit 1; }
