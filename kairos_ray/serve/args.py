@@ -168,8 +168,8 @@ class DeploymentConfig(_Strict):
     def replicas(self) -> dict[str, Any]:
         """Serve's ``num_replicas`` or ``autoscaling_config`` (Ray Serve LLM's default target filled in)."""
         if self.autoscaling_config is not None:
-            return {"autoscaling_config": {"target_ongoing_requests": DEFAULT_MAX_TARGET_ONGOING_REQUESTS,
-                                           **self.autoscaling_config}}  # fmt: skip
+            ray_default = {"target_ongoing_requests": DEFAULT_MAX_TARGET_ONGOING_REQUESTS}
+            return {"autoscaling_config": {**ray_default, **self.autoscaling_config}}
         return {"num_replicas": self.num_replicas or 1}
 
 
