@@ -56,6 +56,7 @@ def running_app(
     """
     http_port, metrics_port = free_port(), free_port()
     ray.init(
+        address="local",  # a Ray of its own, even where `ray start` runs another on this machine
         num_cpus=num_cpus,
         resources={"prefill_node": 2, "decode_node": 2},
         include_dashboard=dashboard_port is not None,
