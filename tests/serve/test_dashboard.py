@@ -38,7 +38,9 @@ def dashboard_app():
 
 
 def tool(*args: str, timeout_s: float = 120) -> str:
-    result = subprocess.run([str(BIN / args[0]), *args[1:]], capture_output=True, text=True, timeout=timeout_s)
+    """A command of this environment's, asking the cluster its ``--address`` names (RAY_ADDRESS would win)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    result = subprocess.run([str(BIN / args[0]), *args[1:]], capture_output=True, text=True, timeout=timeout_s, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout
 
