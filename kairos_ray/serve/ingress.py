@@ -45,6 +45,7 @@ from kairos_ray.serve.admission import Admission, GuardedStream
 from kairos_ray.serve.args import ServingConfig
 from kairos_ray.serve.auth import ApiKeys
 from kairos_ray.serve.dispatch import Dispatcher, RequestFailed, RequestRun, ServingLimits, StreamBroken
+from kairos_ray.serve.live import live_state
 from kairos_ray.serve.metrics import IngressMetrics
 from kairos_ray.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from kairos_ray.serve.responses import ResponseWriter, route_headers
@@ -119,6 +120,7 @@ class Ingress:
             opts.max_attempts,
             opts.max_migrations,
         )
+        self.router = router
         self.dispatcher = Dispatcher(router, prefill, decode, limits, self.metrics)
 
     # ---- plain endpoints -------------------------------------------------------------------
@@ -141,6 +143,16 @@ class Ingress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, ChatCompletionRequest, chat=True)
+
+    @app.get("/kairos/state")
+    async def kairos_state(self, request: Request) -> Response:
+        """The live view ``kairos top`` shows: ``messages.LiveState`` as JSON (503 if the router does not answer)."""
+        if not self.keys.allows(request.headers.get("authorization")):
+            return self._unauthorized()
+        try:
+            return JSONResponse(await live_state(self.router, self.metrics.window))
+        except Exception as exc:  # whatever keeps the router from answering
+            return _error(503, f"the router did not answer: {type(exc).__name__}: {exc}")
 
     # ---- one request -------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from ray import serve
 
 from kairos_ray.config import KairosConfig
 from kairos_ray.core import ClusterView, Decision, DecodeNodeView, Policy, PrefillNodeView, apply_decision
-from kairos_ray.messages import DecisionRequest, NodeState, RoutingReply
+from kairos_ray.messages import DecisionRequest, NodeState, RouterLive, RoutingReply
 from kairos_ray.serve.metrics import RouterMetrics
 from kairos_ray.serve.refit import OnlineRefit
 
@@ -156,6 +156,13 @@ class Router:
             self.model = result.model
             self.state.policy = self.config.build_policy(self.state.policy.spec, model=self.model)
             self.metrics.refits.inc()
+
+    async def live(self) -> RouterLive:
+        """Every live node's last report and the last minute's steps and decisions (``serve.live``)."""
+        now = time.monotonic()
+        self.state.forget_silent_nodes(now)
+        states = {node: (state, self.state.received[node]) for node, state in self.state.states.items()}
+        return self.metrics.window.live(self.state.policy.spec, states, now)
 
     async def snapshot(self) -> dict[str, NodeState]:
         """The last state of every live node (for tests and debugging)."""
