@@ -60,7 +60,7 @@ FAULTS = (
     "client-wave",
 )
 OUTCOMES = ("completed", "failed", "hung", "lost")
-FRESH_S = 2.0  # a node whose last report is older is not serving (engines report at least every second)
+FRESH_S = 5.0  # a node whose last report is older is not serving (the router forgets it then)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +93,7 @@ class Chaos:
         return states
 
     def whole(self) -> bool:
-        """Every node of both pools in the router's view, each with a report of the last two seconds."""
+        """Every node of both pools in the router's view, each with a report of the last five seconds."""
         states = self.states().values()
         fresh = all(time.time() - s.wall_s < FRESH_S for s in states)
         return fresh and Counter(s.role for s in states) == self.pools

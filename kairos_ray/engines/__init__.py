@@ -104,6 +104,10 @@ class Engine(Protocol):
         """Raise ``EngineUnhealthy`` if the engine died or has made no progress for ``stall_timeout_s``."""
         ...
 
+    def engine_pids(self) -> list[int]:
+        """The processes that step this engine (a vLLM engine core; the replica itself for an emulated engine)."""
+        ...
+
     async def shutdown(self) -> None:
         """Stop stepping and give back what the engine holds; idempotent."""
         ...

@@ -265,6 +265,10 @@ class VllmEngine:
         logger.error("%s; failing its requests in flight", self._unhealthy)
         self.llm.output_processor.propagate_error(EngineUnhealthy(self._unhealthy))
 
+    def engine_pids(self) -> list[int]:
+        manager = self.llm.engine_core.resources.engine_manager if self.llm is not None else None
+        return [int(p.pid) for p in getattr(manager, "processes", ()) if p.pid is not None]
+
     def check_health(self) -> None:
         if not self._unhealthy and self.llm is not None and self.llm.errored:
             self._unhealthy = f"{self.node_id}: its engine core died"

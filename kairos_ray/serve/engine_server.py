@@ -103,6 +103,10 @@ class EngineServer:
         """Serve's health check: an engine that died or stalled fails it, and Serve replaces this replica."""
         self.engine.check_health()
 
+    async def engine_pids(self, node: str | None = None) -> list[int]:
+        """The processes that step this node's engine (for fault injection: ``bench.faults``)."""
+        return self.engine.engine_pids()
+
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Kairos's signals for ``serve.autoscaling.KairosPoolPolicy``, from this node's own view."""
         view = self.engine.state().view
