@@ -172,21 +172,21 @@ class Chaos:
 
         if fault in ("decode-engine-kill", "prefill-engine-kill"):
             node = busiest(Role.DECODE if fault.startswith("decode") else Role.PREFILL)
-            pid = faults.kill_engine(self.app, node)
+            pid = await asyncio.to_thread(faults.kill_engine, self.app, node)
             return f"kill -9 {pid} ({node})"
         if fault == "engine-stop":
             node = busiest(Role.DECODE)
-            pid = faults.engine_pid(self.app, node)
+            pid = await asyncio.to_thread(faults.engine_pid, self.app, node)
             os.kill(pid, signal.SIGSTOP)
             await asyncio.sleep(self.stop_s)
             os.kill(pid, signal.SIGCONT)
             return f"SIGSTOP {pid} ({node}) for {self.stop_s:g} s"
         if fault in ("decode-replica-kill", "prefill-replica-kill", "kv-peer-kill"):
             node = busiest(Role.DECODE if fault.startswith("decode") else Role.PREFILL)
-            faults.kill_replica(self.app, node)
+            await asyncio.to_thread(faults.kill_replica, self.app, node)
             return f"ray.kill {node}"
         if fault == "router-kill":
-            faults.kill_replica(self.app, "Router")
+            await asyncio.to_thread(faults.kill_replica, self.app, "Router")
             return "ray.kill Router"
         if fault == "client-wave":
             async with httpx.AsyncClient(base_url=self.url, timeout=0.3) as client:
