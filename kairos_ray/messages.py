@@ -7,7 +7,8 @@ frozen structs, every field commented, units in the names.
 |---|---|---|
 | ``EngineRequest`` | ingress -> prefill or decode node | ``serve.dispatch`` |
 | ``KVHandoff`` | prefill node -> (ingress) -> decode node | each engine's ``prefill`` |
-| ``TokenEvent`` (streamed in lists: the tokens ready at once) | decode node -> ingress | each engine's ``generate`` |
+| ``TokenEvent`` (in lists: the tokens ready at once) | decode engine -> its server | each engine's ``generate`` |
+| ``TokenBatch`` | decode node -> ingress replica (one subscription each) | ``serve.mux.Outbox`` |
 | ``NodeState`` (with its ``StepRecord`` s) | engine node -> router | ``engines.reporting.StateReporter`` |
 | ``DecisionRequest`` | ingress -> router | ``serve.dispatch`` (batched per event-loop tick) |
 | ``RoutingReply`` | router -> ingress | ``serve.router.Router.decide`` (or the ingress's fallback) |
@@ -89,6 +90,14 @@ class TokenEvent:
     text: str = ""  # the text this token adds (may be empty: part of a character)
     finish_reason: str | None = None  # on the last token: "length" or "stop"
     breakdown: TTFTBreakdown | None = None  # on the first token only: what the engines timed of the TTFT
+
+
+@dataclass(frozen=True, slots=True)
+class TokenBatch:
+    """What a decode node streams to one ingress replica in one item: every token ready since the last item."""
+
+    tokens: dict[tuple[int, int], list[TokenEvent]]  # (request id, attempt) -> its new tokens, in order
+    failed: dict[tuple[int, int], str]  # (request id, attempt) -> why its run on the node failed
 
 
 @dataclass(frozen=True, slots=True)

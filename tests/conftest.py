@@ -8,3 +8,6 @@ settings.load_profile("kairos")
 
 # Every test that starts Ray starts its own, never joins a cluster already running on the machine (`make run`).
 os.environ["RAY_ADDRESS"] = "local"
+# Those clusters listen on loopback only, as `make run`'s: no Ray token (a ~/.ray/auth_token on the machine
+# would turn Ray's token auth on, and the dashboard's page would ask a browser for the token).
+os.environ["RAY_AUTH_MODE"] = "disabled"

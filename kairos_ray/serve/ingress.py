@@ -30,6 +30,7 @@ import itertools
 import json
 import logging
 import random
+import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -121,7 +122,8 @@ class Ingress:
             opts.max_migrations,
         )
         self.router = router
-        self.dispatcher = Dispatcher(router, prefill, decode, limits, self.metrics)
+        listener = f"{serve.get_replica_context().replica_id.unique_id}-{secrets.token_hex(4)}"
+        self.dispatcher = Dispatcher(router, prefill, decode, limits, self.metrics, listener)
 
     # ---- plain endpoints -------------------------------------------------------------------
 

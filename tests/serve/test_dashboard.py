@@ -4,7 +4,7 @@ One emulated 2P2D app with Ray's dashboard on 127.0.0.1, as ``make run-emulated`
 starts it (``scripts/run_local.sh`` gives ``ray start`` the same dashboard), serves
 every test here: ``serve status``, ``ray list actors``, the dashboard's Serve page
 rendered by headless Chromium, ``GET /kairos/state`` and ``kairos top`` (once, and
-live under tmux).
+live under tmux). Tests run Ray without its token auth, as ``make run`` does.
 """
 
 import os
@@ -97,7 +97,7 @@ class _TableRows(HTMLParser):
 def rendered_rows(url: str, profile: Path) -> list[list[str]]:
     """The table rows of ``url`` once headless Chromium has run its scripts."""
     flags = [
-        "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync",
         f"--user-data-dir={profile}", "--virtual-time-budget=60000", "--dump-dom",
     ]  # fmt: skip
