@@ -83,7 +83,10 @@ async def _one(client: httpx.AsyncClient, model: str, rid: int, req: Request, st
         ttft_s=stamps[0] - sent,
         finish_s=stamps[-1] - start,
         tbt_gaps_s=np.diff(np.array(stamps)),
-        **breakdown,
+        prefill_queue_s=breakdown["prefill_queue_s"],
+        prefill_exec_s=breakdown["prefill_exec_s"],
+        kv_transfer_s=breakdown["kv_transfer_s"],
+        decode_queue_s=breakdown["decode_queue_s"],
     )
 
 
