@@ -19,7 +19,10 @@ decode node that would finish the prefill first, among those with KV room.
 Every policy sends a prefill-routed request to the prefill node with the
 least estimated TTFT and names the decode node with the most KV headroom.
 ``make_policy`` maps spec strings (``"kairos"``, ``"sq:4"``...) to policies so
-the simulator, the Serve router and the CLI share them.
+the simulator, the Serve router and the CLI share them. A policy says whether
+decode nodes re-check each planned chunk when it runs (``guards_chunks``, Eq.
+5 at run time) and hands out that check (``chunk_guard``), built from the
+model it decides with.
 
 Prefix-aware (``PolicyParams.prefix_aware``, or a spec ending in ``+prefix``;
 ``+blind`` turns it off): given ``PrefixHits``, the leading prompt tokens each
@@ -27,13 +30,11 @@ node's cache holds (``core.prefix``), every estimate prices only a node's
 uncached suffix from the cached context (Eq. 1-2 on prefill nodes; Eq. 5's
 schedule and Eq. 6 on decode nodes), a deflection needs KV room for that
 suffix only, ``sl`` compares its threshold with the smallest suffix on a
-decode node, and a prefill-routed request goes to the decode node that holds
-most of its prompt (then most headroom), so its KV hand-off carries only the
-missing blocks. alpha and beta are unchanged. A cache-blind policy ignores
-``hits``: it prices the whole prompt everywhere. A policy says whether
-decode nodes re-check each planned chunk when it runs (``guards_chunks``, Eq.
-5 at run time) and hands out that check (``chunk_guard``), built from the
-model it decides with.
+decode node, and a prefill-routed request goes to the decode node with the
+most KV headroom once it holds the request, the blocks a node holds already
+counting as room (they need none, nor a transfer). alpha and beta are
+unchanged. A cache-blind policy ignores ``hits``: it prices the whole prompt
+everywhere.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class PolicyParams:
     beta: float = 0.9  # TBT safety factor: steps must fit beta * tau
     prefill_estimator: PrefillEstimatorName = "exact"  # key of PREFILL_ESTIMATORS
     static_chunk_tokens: int = 512  # fixed chunk of the sq/sl baselines
-    prefix_aware: bool = False  # price only each node's uncached suffix, given PrefixHits (module docstring)
+    prefix_aware: bool = True  # price only each node's uncached suffix, given PrefixHits (module docstring)
 
     @property
     def tbt_budget_s(self) -> float:
@@ -223,32 +224,28 @@ class _BasePolicy:
         return best, lacking_kv, infeasible
 
     @staticmethod
-    def _handoff_target(prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> DecodeNodeView:
-        """Decode node for a disaggregated request: most KV headroom, then smallest batch.
+    def _handoff_target(view: ClusterView, hits: PrefixHits | None) -> DecodeNodeView:
+        """Decode node for a disaggregated request: most KV headroom once it holds the request, then smallest
+        batch.
 
-        Prefix-aware: among the nodes with room for the blocks they lack, the one holding most of the
-        prompt (its KV hand-off then carries only the missing blocks), then most headroom.
+        Prefix-aware, the blocks a node holds already need no room there (and no transfer): a node holding
+        the prompt wins while it is loaded by less than the tokens it holds, so conversations stay with
+        their history without piling onto one node (which preferring the holder outright does: every
+        request shares the system prompt, and the first node to hold it would take them all).
         """
         if hits is None:
             return max(view.decode, key=lambda n: (n.headroom_kv_tokens, -n.batch_size))
-
-        def rank(node: DecodeNodeView) -> tuple[bool, int, int, int]:
-            cached = hits.at(node.node_id)
-            fits = node.headroom_kv_tokens >= prompt_tokens - cached
-            return fits, cached if fits else 0, node.headroom_kv_tokens, -node.batch_size
-
-        return max(view.decode, key=rank)
+        return max(view.decode, key=lambda n: (n.headroom_kv_tokens + hits.at(n.node_id), -n.batch_size))
 
     def _to_prefill(
         self,
-        prompt_tokens: int,
         view: ClusterView,
         hits: PrefixHits | None,
         prefill: _PrefillOption,
         ttft_dec_s: float | None,
         reason: str,
     ) -> Decision:
-        decode = self._handoff_target(prompt_tokens, view, hits)
+        decode = self._handoff_target(view, hits)
         return Decision(
             Route.PREFILL,
             prefill.node.node_id,
@@ -301,12 +298,12 @@ class KairosPolicy(_BasePolicy):
         )
         if option is None:
             reason = f"no TBT-safe decode node ({infeasible} infeasible, {lacking_kv} short of KV)"
-            return self._to_prefill(prompt_tokens, view, hits, prefill, None, reason)
+            return self._to_prefill(view, hits, prefill, None, reason)
         if params.alpha * option.ttft_s < ttft_pf:
             reason = f"decode {option.ttft_s:.3f}s x alpha {params.alpha:g} < prefill {ttft_pf:.3f}s"
             return self._to_decode(option, ttft_pf, reason)
         reason = f"decode {option.ttft_s:.3f}s x alpha {params.alpha:g} >= prefill {ttft_pf:.3f}s"
-        return self._to_prefill(prompt_tokens, view, hits, prefill, option.ttft_s, reason)
+        return self._to_prefill(view, hits, prefill, option.ttft_s, reason)
 
 
 class OraclePolicy(KairosPolicy):
@@ -323,7 +320,7 @@ class PDPolicy(_BasePolicy):
 
     def _decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> Decision:
         prefill = self._best_prefill(prompt_tokens, view, hits)
-        return self._to_prefill(prompt_tokens, view, hits, prefill, None, "pd never deflects")
+        return self._to_prefill(view, hits, prefill, None, "pd never deflects")
 
 
 class _StaticPolicy(_BasePolicy):
@@ -336,7 +333,7 @@ class _StaticPolicy(_BasePolicy):
         prefill = self._best_prefill(prompt_tokens, view, hits)
         wants, why = self._wants_deflection(prompt_tokens, view, hits)
         if not wants:
-            return self._to_prefill(prompt_tokens, view, hits, prefill, None, why)
+            return self._to_prefill(view, hits, prefill, None, why)
         chunk = self.params.static_chunk_tokens
         model = self.decode_model
 
@@ -351,7 +348,7 @@ class _StaticPolicy(_BasePolicy):
         option, lacking_kv, _ = self._fastest_deflection(prompt_tokens, view, plan, hits)
         if option is None:
             reason = f"{why}, but {lacking_kv} decode nodes short of KV"
-            return self._to_prefill(prompt_tokens, view, hits, prefill, None, reason)
+            return self._to_prefill(view, hits, prefill, None, reason)
         return self._to_decode(option, prefill.ttft_s, why)
 
 

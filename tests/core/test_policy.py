@@ -252,8 +252,8 @@ def test_the_ledger_adds_the_suffix_and_starts_it_from_the_cached_context():
 
 
 def test_a_cold_request_is_decided_exactly_as_before():
-    blind = make_policy("kairos", AWARE, CONTEXT)
-    aware = make_policy("kairos+prefix", AWARE, CONTEXT)
+    blind = make_policy("kairos+blind", AWARE, CONTEXT)
+    aware = make_policy("kairos", AWARE, CONTEXT)  # prefix-aware by default
     assert aware.decide(6500, HISTORY) == aware.decide(6500, HISTORY, PrefixHits({})) == blind.decide(6500, HISTORY)
     assert blind.decide(6500, HISTORY, ON_A) == blind.decide(6500, HISTORY)  # cache-blind: hits are ignored
 
@@ -261,23 +261,24 @@ def test_a_cold_request_is_decided_exactly_as_before():
 def test_a_deflection_needs_kv_room_for_its_suffix_only():
     tight = ClusterView(HISTORY.prefill, (DecodeNodeView("A", 0, 0, 600),))
     assert make_policy("kairos+prefix", AWARE, CONTEXT).decide(6500, tight, ON_A).deflected
-    assert "1 short of KV" in make_policy("kairos", AWARE, CONTEXT).decide(6500, tight, ON_A).reason
+    assert "1 short of KV" in make_policy("kairos+blind", AWARE, CONTEXT).decide(6500, tight, ON_A).reason
 
 
-def test_a_disaggregated_request_goes_to_the_decode_node_holding_its_prompt():
+def test_a_disaggregated_request_goes_where_most_headroom_is_left_counting_the_blocks_held():
     view = ClusterView(
         (PrefillNodeView("p0"), PrefillNodeView("p1")),
-        (DecodeNodeView("roomy", 0, 0, 900_000), DecodeNodeView("holder", 0, 0, 10_000)),
+        (DecodeNodeView("roomy", 0, 0, 12_000), DecodeNodeView("holder", 0, 0, 10_000)),
     )
     hits = PrefixHits({"holder": 3000, "p1": 2048})
     decision = make_policy("pd+prefix", AWARE, CONTEXT).decide(6500, view, hits)
+    # the holder needs room for 3500 tokens only: 10,000 + 3,000 left beats 12,000
     assert (decision.prefill_node, decision.decode_node, decision.cached_prompt_tokens) == ("p1", "holder", 2048)
     queued = apply_decision(view, 6500, decision).prefill[1]
     assert (queued.queued_prompt_tokens, queued.queued_cached_tokens) == ((4452,), (2048,))
-    assert make_policy("pd", AWARE, CONTEXT).decide(6500, view, hits).decode_node == "roomy"
-    full = PrefixHits({"holder": 3000, "p1": 2048, "roomy": 0})
-    small = ClusterView(view.prefill, (view.decode[0], DecodeNodeView("holder", 0, 0, 3000)))  # no room for 3500
-    assert make_policy("pd+prefix", AWARE, CONTEXT).decide(6500, small, full).decode_node == "roomy"
+    assert make_policy("pd+blind", AWARE, CONTEXT).decide(6500, view, hits).decode_node == "roomy"
+    # loaded by more than it holds, the holder gives way: conversations do not pile onto one node
+    busier = ClusterView(view.prefill, (view.decode[0], DecodeNodeView("holder", 0, 0, 8_000)))
+    assert make_policy("pd+prefix", AWARE, CONTEXT).decide(6500, busier, hits).decode_node == "roomy"
 
 
 def test_sl_with_prefix_is_llm_ds_uncached_suffix_threshold():
@@ -285,15 +286,16 @@ def test_sl_with_prefix_is_llm_ds_uncached_suffix_threshold():
     decision = sl.decide(6500, HISTORY, ON_A)
     assert decision.deflected and decision.decode_node == "A" and decision.chunk_schedule == (256, 244)
     assert decision.reason == "uncached suffix 500 <= 1024 tokens"
-    assert not make_policy("sl:1024", AWARE, CONTEXT).decide(6500, HISTORY, ON_A).deflected
+    assert not make_policy("sl:1024+blind", AWARE, CONTEXT).decide(6500, HISTORY, ON_A).deflected
 
 
 def test_a_spec_suffix_sets_prefix_awareness_and_stays_in_the_spec():
     policy = make_policy("sl:1024+prefix", AWARE, CONTEXT)
     assert policy.spec == "sl:1024+prefix" and policy.params.prefix_aware
-    blind = make_policy("kairos+blind", replace(AWARE, prefix_aware=True), CONTEXT)
+    blind = make_policy("kairos+blind", AWARE, CONTEXT)
     assert blind.spec == "kairos+blind" and not blind.params.prefix_aware
-    assert make_policy("oracle", replace(AWARE, prefix_aware=True), CONTEXT).params.prefix_aware
+    assert make_policy("oracle", AWARE, CONTEXT).params.prefix_aware  # the default
+    assert not make_policy("oracle", replace(AWARE, prefix_aware=False), CONTEXT).params.prefix_aware
 
 
 @given(models(), prompts, views(), st.data())
@@ -321,5 +323,5 @@ def test_prefix_aware_deflections_are_tbt_safe_from_the_cached_context(model, pr
 def test_without_hits_prefix_awareness_changes_no_decision(model, prompt, view):
     zero = PrefixHits({n.node_id: 0 for n in (*view.prefill, *view.decode)})
     for spec in ("kairos", "pd", "sq:1", "sl:1024"):
-        blind = make_policy(spec, PARAMS, model).decide(prompt, view)
+        blind = make_policy(f"{spec}+blind", PARAMS, model).decide(prompt, view)
         assert make_policy(f"{spec}+prefix", PARAMS, model).decide(prompt, view, zero) == blind

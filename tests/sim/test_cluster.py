@@ -196,7 +196,7 @@ def test_the_next_turn_is_deflected_to_its_history_by_hand():
 
 
 def test_a_cache_blind_policy_still_gets_the_engines_hits_by_hand():
-    _, second = replay("kairos", CONVERSATION).records
+    _, second = replay("kairos+blind", CONVERSATION).records
     # priced whole (0.6 s on either path), it goes to the prefill node, which computes the 150 tokens it lacks
     # (0.35 s); the decode node holds 200 of the 300 tokens, so 100 travel: 0.1 + 0.1 s; then a 0.1 s step
     assert (second.route, second.cached_tokens, second.kv_transfer_bytes) == ("prefill", 150, 100_000_000)
