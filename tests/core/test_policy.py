@@ -153,16 +153,21 @@ def test_deflections_are_tbt_safe_behind_commitments_and_fit_kv(model, prompt, v
         return
     node = next(n for n in view.decode if n.node_id == decision.decode_node)
     assert node.headroom_kv_tokens >= prompt
-    wait_s, batch_size, kv = after_committed(model, node)
     assert sum(decision.chunk_schedule) == prompt
-    total, prefix = wait_s, 0
+    assert_safe_and_priced_by_eq6(model, node, decision, cached=0)
+    assert PARAMS.alpha * decision.ttft_decode_s < decision.ttft_prefill_s
+
+
+def assert_safe_and_priced_by_eq6(model, node, decision, cached):
+    """Behind the node's commitments, every chunk from the cached context on meets Eq. 5, and Eq. 6 is their sum."""
+    wait_s, batch_size, kv = after_committed(model, node)
+    total, prefix = wait_s, cached
     for chunk in decision.chunk_schedule:
         step = model.step_s(batch_size, kv + prefix, chunk, prefix)
         assert step <= PARAMS.tbt_budget_s
         total += step
         prefix += chunk
     assert decision.ttft_decode_s == pytest.approx(total, rel=1e-9)
-    assert PARAMS.alpha * decision.ttft_decode_s < decision.ttft_prefill_s
 
 
 @given(models(), prompts, views())
@@ -309,14 +314,7 @@ def test_prefix_aware_deflections_are_tbt_safe_from_the_cached_context(model, pr
     assert decision.cached_prompt_tokens == cached
     assert sum(decision.chunk_schedule) == prompt - cached <= node.headroom_kv_tokens
     assert all(a >= b for a, b in itertools.pairwise(decision.chunk_schedule))
-    wait_s, batch_size, kv = after_committed(model, node)
-    total, prefix = wait_s, cached
-    for chunk in decision.chunk_schedule:
-        step = model.step_s(batch_size, kv + prefix, chunk, prefix)
-        assert step <= PARAMS.tbt_budget_s
-        total += step
-        prefix += chunk
-    assert decision.ttft_decode_s == pytest.approx(total, rel=1e-9)
+    assert_safe_and_priced_by_eq6(model, node, decision, cached)
 
 
 @given(models(), prompts, views())
