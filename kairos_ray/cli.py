@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,10 +34,14 @@ examples:
                                        what deflection buys on bursty traffic, no GPU needed
   kairos bench --url http://127.0.0.1:8000 --workload bursty --rps 4
                                        replay a workload against a live server
+  kairos top --url http://127.0.0.1:8000
+                                       watch a running app's nodes, refreshed every second
   kairos config show > kairos.yaml     write the default configuration
   kairos config check kairos.yaml      validate a configuration file
   kairos profile -o steps.csv          time a real vLLM engine's steps (the tiny CPU model by default)
   kairos fit steps.csv -o profile.json fit the step-latency model to measured steps
+  kairos chaos --url http://127.0.0.1:8000
+                                       inject faults into a running app under load
 """
 
 
@@ -61,6 +66,12 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
     load_config(args.file)
     print(f"{args.file}: ok")
     return 0
+
+
+def _cmd_chaos(args: argparse.Namespace) -> int:
+    from kairos_ray.bench.chaos import run_command
+
+    return run_command(args)
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
@@ -151,6 +162,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     for line in result.failures[:10]:
         print(f"failed: {line}")
     print(
+        f"sent at {result.achieved_rps:.2f} req/s against {result.scheduled_rps:.2f} scheduled; "
+        f"send lag P50 {1e3 * result.p50_send_lag_s:.1f} ms, max {1e3 * result.max_send_lag_s:.1f} ms"
+    )
+    if result.behind:
+        print("warning: the load generator fell behind the schedule by more than 2 %: this machine is too busy to "
+              "replay this workload at this rate; the figures describe a lighter load", file=sys.stderr)  # fmt: skip
+    print(
         f"{len(result.records)} of {len(workload)} requests served in {result.wall_s:.1f} s "
         f"({len(result.failures)} failed); P50/P95 TTFT {row['p50_ttft_s']:.3f}/{row['p95_ttft_s']:.3f} s, "
         f"P95 TBT {1000 * row['p95_tbt_s']:.1f} ms, {row['tbt_violation_pct']:.2f} % TBT violations, "
@@ -158,6 +176,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     )
     if written:
         print(f"wrote {', '.join(str(p) for p in written)}")
+    if args.compare_sim:
+        from kairos_ray.sim.run import SimSetup, compare_rows
+
+        config = _config(args.config)
+        setup = SimSetup.from_config(config, None, args.prefill, args.decode, args.seed)
+        simulated = setup.simulate(config.policy.name, workload)
+        sim_row = summarize(simulated.records, slo, config.policy.name, rps)
+        print(compare_rows(sim_row, row))
     return 0 if result.records else 1
 
 
@@ -185,6 +211,12 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     if args.fit:
         return _cmd_fit(argparse.Namespace(table=args.output, output=args.fit, holdout=0.2, seed=0, plot=None))
     return 0
+
+
+def _cmd_top(args: argparse.Namespace) -> int:
+    from kairos_ray.top import run
+
+    return run(args.url, args.interval, args.once, args.api_key)
 
 
 def _engine_arg(text: str) -> tuple[str, object]:
@@ -217,6 +249,7 @@ def _numbers(kind: Callable[[str], T]) -> Callable[[str], list[T]]:
 
 
 _positive_int = _arg_type(int, lambda v: v >= 1, "an integer", "must be >= 1")
+_positive_float = _arg_type(float, lambda v: v > 0, "a number", "must be > 0")
 _fraction = _arg_type(float, lambda v: 0.0 < v < 1.0, "a number", "must be between 0 and 1")
 _rates = _arg_type(
     _numbers(float), lambda v: bool(v) and min(v) > 0, "a comma-separated list of rates", "rates must be > 0 requests/s"
@@ -312,8 +345,38 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--context", type=_positive_int, default=32_768, help="clip lengths to this context (32768)")
     bench.add_argument("--label", default="live", help="policy column of the summary (%(default)s)")
     bench.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds (600)")
+    bench.add_argument(
+        "--compare-sim",
+        action="store_true",
+        help="also run the same workload and seed through `kairos sim` (the config's policy and profile, "
+        "--prefill/--decode nodes) and print both summaries side by side",
+    )
+    bench.add_argument("--prefill", type=_positive_int, default=2, help="prefill nodes, with --compare-sim (2)")
+    bench.add_argument("--decode", type=_positive_int, default=2, help="decode nodes, with --compare-sim (2)")
     _add_run_options(bench, "for the SLO", "a synthetic workload", "bench-out")
     bench.set_defaults(func=_cmd_bench)
+
+    from kairos_ray.top import columns_help
+
+    top = commands.add_parser(
+        "top",
+        help="a live view of a running app: every node's queue, batch, KV and steps, the last minute's latencies",
+        description="A live terminal view of a running Kairos-Ray app, refreshed every second from its\n"
+        "GET /kairos/state: a line per node, then the last minute at the ingress (requests,\n"
+        "deflected share, P95 TTFT and TBT, fallbacks, rejections). Ctrl-C quits.",
+        epilog=f"columns:\n{columns_help()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    top.add_argument("--url", default="http://127.0.0.1:8000", help="the app's base URL (%(default)s)")
+    top.add_argument("--interval", type=_positive_float, default=1.0, metavar="S", help="seconds between refreshes (1)")
+    top.add_argument("--once", action="store_true", help="print the view once and exit (for scripts and logs)")
+    top.add_argument(
+        "--api-key",
+        default=os.environ.get("KAIROS_API_KEY"),
+        metavar="KEY",
+        help="the app's API key, when it has one (default: $KAIROS_API_KEY)",
+    )
+    top.set_defaults(func=_cmd_top)
 
     prof = commands.add_parser(
         "profile",
@@ -361,6 +424,17 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--seed", type=int, default=0, help="seed of the hold-out split (0)")
     fit.add_argument("--plot", metavar="FILE.png", help="predicted-vs-measured plot (default: beside the profile)")
     fit.set_defaults(func=_cmd_fit)
+
+    from kairos_ray.bench.chaos import add_arguments as chaos_arguments
+
+    chaos = commands.add_parser(
+        "chaos",
+        help="inject faults into a running app under load; print what clients saw",
+        description="Inject each fault in turn into a running Kairos app while it serves a bursty workload, and "
+        "print per fault: requests completed, failed with a clean error, hung, lost, and the time to recover.",
+    )
+    chaos_arguments(chaos)
+    chaos.set_defaults(func=_cmd_chaos)
     return parser
 
 

@@ -201,13 +201,18 @@ def parse_config(data: dict[str, Any] | None) -> KairosConfig:
 
 
 def load_config(path: str | Path) -> KairosConfig:
-    """Read and validate a YAML file holding the Kairos section."""
+    """Read and validate a YAML file holding the Kairos section, or a Serve config whose app has one."""
     try:
         data = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections (slo, policy, ...), got {type(data).__name__}")
+    if data and "applications" in data:  # a Serve config: its (first) Kairos app's kairos section
+        apps = [a for a in data["applications"] or () if isinstance(a, dict) and "kairos" in (a.get("args") or {})]
+        if not apps:
+            raise ConfigError(f"{path}: a Serve config with no application that has a kairos section")
+        data = apps[0]["args"]["kairos"]
     try:
         return parse_config(data)
     except ConfigError as exc:

@@ -91,3 +91,15 @@ def test_profiles_resolve_by_name_or_path(tmp_path):
     assert config.predictor.load() == parse_config({}).predictor.load()
     with pytest.raises(ConfigError, match=r"predictor\.prefill_profile: unknown field"):
         parse_config({"predictor": {"prefill_profile": "a100-deepseek-v2-lite"}})
+
+
+def test_a_serve_config_gives_its_apps_kairos_section(tmp_path):
+    serve_config = tmp_path / "app.yaml"
+    serve_config.write_text(
+        "applications:\n  - name: a\n    args:\n      kairos: {slo: {tbt_s: 0.05}, policy: {name: pd}}\n"
+    )
+    config = load_config(serve_config)
+    assert config.slo.tbt_s == 0.05 and config.policy.name == "pd"
+    serve_config.write_text("applications:\n  - name: a\n    args: {}\n")
+    with pytest.raises(ConfigError, match="no application that has a kairos section"):
+        load_config(serve_config)

@@ -4,10 +4,25 @@ Open loop: each request is sent at its arrival time, whatever happened to the
 ones before, as a streaming ``/v1/completions`` call whose prompt is a list of
 ``prompt_tokens`` token ids (exact lengths on any server) with ``max_tokens``
 = the request's output length and ``ignore_eos``. Per request it records the
-TTFT (first streamed token), every gap between streamed chunks and, from a
+TTFT (first streamed token), the gap before every token and, from a
 Kairos-Ray server, the route and TTFT breakdown of the ``x-kairos-*``
 headers. It writes the same ``summary.csv``, ``requests.csv`` and plots as
 ``kairos sim``.
+
+Servers may send several tokens in one event (vLLM's and Ray Serve LLM's
+servers batch them). The tokens of an event come from its usage: every
+request asks for ``stream_options: {include_usage, continuous_usage_stats}``,
+and a server that sends usage with every event (vLLM, Kairos-Ray) tells how
+many tokens each one brought. Without it, each event counts as one token
+until the final usage, and the tokens it did not account for are spread
+evenly over the events. The first token of an event gets the gap since the
+previous event, the others a gap of 0 (they reached the client together),
+so a request's largest gap (``max_tbt_s``) and the P99 gap describe stalls
+whatever the event size.
+
+The replay reports how well it kept to the schedule: the rate it achieved
+and its send lag (how late each request went out), and warns when it fell
+behind by more than 2 %.
 """
 
 from __future__ import annotations
@@ -21,6 +36,7 @@ from dataclasses import dataclass
 
 import httpx
 import numpy as np
+import numpy.typing as npt
 
 from kairos_ray.metrics import BREAKDOWN, RequestRecord
 from kairos_ray.workloads import Request, Workload
@@ -32,16 +48,45 @@ PROMPT_BASE, PROMPT_IDS = 100, 500
 RecordOrError = RequestRecord | str
 
 
+LAG_WARNING_SHARE = 0.02  # warn when the achieved rate falls this far below the schedule's
+
+
 @dataclass
 class BenchResult:
     records: list[RequestRecord]
     failures: list[str]  # one line per request that got no answer
     wall_s: float
+    achieved_rps: float = math.nan  # requests sent per second, first send to last
+    scheduled_rps: float = math.nan  # the workload's rate over the same requests
+    p50_send_lag_s: float = math.nan  # how late requests went out against their arrival times
+    max_send_lag_s: float = math.nan
+
+    @property
+    def behind(self) -> bool:
+        """Whether the generator kept more than 2 % below the schedule's rate."""
+        return self.achieved_rps < (1 - LAG_WARNING_SHARE) * self.scheduled_rps
 
 
 def _breakdown(header: str | None) -> dict[str, float]:
     parts = dict(item.split("=", 1) for item in header.split(";") if "=" in item) if header else {}
     return {name: float(parts.get(name[:-2], math.nan)) for name in BREAKDOWN}
+
+
+def token_gaps(stamps: list[float], tokens: list[int]) -> npt.NDArray[np.float64]:
+    """The gap before every token after the first: an event's first token waited since the previous event,
+    the others of the same event came with it (gap 0)."""
+    gaps = [0.0] * (tokens[0] - 1)
+    for previous, stamp, count in zip(stamps, stamps[1:], tokens[1:], strict=False):
+        gaps += [stamp - previous] + [0.0] * (count - 1)
+    return np.array(gaps)
+
+
+def _tokens_per_event(counted: list[int], total: int | None) -> list[int]:
+    """Tokens each event brought: from continuous usage where the server sent it, else spread evenly."""
+    if total is None or sum(counted) == total:
+        return counted
+    extra, events = total - len(counted), len(counted)
+    return [1 + extra // events + (i < extra % events) for i in range(events)]
 
 
 async def _one(client: httpx.AsyncClient, model: str, rid: int, req: Request, start: float) -> RequestRecord | str:
@@ -51,10 +96,12 @@ async def _one(client: httpx.AsyncClient, model: str, rid: int, req: Request, st
         "max_tokens": req.output_tokens,
         "stream": True,
         "ignore_eos": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     sent = time.monotonic()
     stamps: list[float] = []
+    counted: list[int] = []  # tokens per event, by the server's running usage where it sends one (else 1)
+    generated, total = 0, None
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -64,25 +111,32 @@ async def _one(client: httpx.AsyncClient, model: str, rid: int, req: Request, st
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if chunk.get("choices"):  # a token (its text may be empty: part of a character)
+                usage = chunk.get("usage") or {}
+                so_far = usage.get("completion_tokens")
+                if chunk.get("choices"):  # tokens (their text may be empty: part of a character)
                     stamps.append(time.monotonic())
+                    counted.append(so_far - generated if so_far is not None else 1)
+                    generated = so_far if so_far is not None else generated + 1
+                elif so_far is not None:  # the closing usage
+                    total = so_far
             headers = response.headers
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         return f"request {rid}: {type(exc).__name__}: {exc}"
     if not stamps:
         return f"request {rid}: no tokens streamed"
+    tokens = _tokens_per_event([max(1, c) for c in counted], total)
     breakdown = _breakdown(headers.get("x-kairos-breakdown"))
     return RequestRecord(
         request_id=rid,
         arrival_s=sent - start,
         prompt_tokens=req.prompt_tokens,
-        output_tokens=len(stamps),
+        output_tokens=sum(tokens),
         route=headers.get("x-kairos-route", "unknown"),
         prefill_node=headers.get("x-kairos-prefill-node", ""),
         decode_node=headers.get("x-kairos-decode-node", ""),
         ttft_s=stamps[0] - sent,
         finish_s=stamps[-1] - start,
-        tbt_gaps_s=np.diff(np.array(stamps)),
+        tbt_gaps_s=token_gaps(stamps, tokens),
         prefill_queue_s=breakdown["prefill_queue_s"],
         prefill_exec_s=breakdown["prefill_exec_s"],
         kv_transfer_s=breakdown["kv_transfer_s"],
@@ -97,9 +151,13 @@ async def replay(
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
         start = time.monotonic()
+        lags = [0.0] * len(workload.requests)
+        sends = [0.0] * len(workload.requests)
 
         async def at_arrival(rid: int, req: Request) -> RecordOrError:
             await asyncio.sleep(max(0.0, start + req.arrival_s - time.monotonic()))
+            sends[rid] = time.monotonic()
+            lags[rid] = sends[rid] - start - req.arrival_s
             result = await _one(client, model, rid, req, start)
             if progress is not None:
                 progress(1)
@@ -108,7 +166,15 @@ async def replay(
         results = await asyncio.gather(*(at_arrival(i, r) for i, r in enumerate(workload.requests)))
         wall = time.monotonic() - start
     records = [r for r in results if isinstance(r, RequestRecord)]
-    return BenchResult(records, [r for r in results if isinstance(r, str)], wall)
+    failures = [r for r in results if isinstance(r, str)]
+    arrivals = [r.arrival_s for r in workload.requests]
+    result = BenchResult(records, failures, wall)
+    if len(arrivals) > 1 and arrivals[-1] > arrivals[0]:
+        result.achieved_rps = (len(sends) - 1) / (max(sends) - min(sends))
+        result.scheduled_rps = (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
+        result.p50_send_lag_s = float(np.median(lags))
+        result.max_send_lag_s = max(lags)
+    return result
 
 
 async def served_model(url: str) -> str:

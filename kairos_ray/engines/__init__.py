@@ -33,14 +33,15 @@ ENGINES: dict[str, str] = {
 class EngineOptions:
     """The serving knobs engines use (from the app's ``serving`` section)."""
 
-    report_interval_s: float = 0.02  # push state to the router at most this often (plus a heartbeat when idle)
+    report_interval_s: float = 0.02  # push a change of the node's shape to the router at most this often
+    report_refresh_s: float = 0.25  # push otherwise (the KV's steady growth) this often while stepping
     kv_timeout_s: float = 30.0  # decode: past this wait for a hand-off's KV, recompute the prompt
     kv_channel: Literal["gloo", "nccl"] | None = None  # vLLM: gloo/NCCL pairs for hand-offs to a named decode node
     kv_hold_blocks: bool = False  # vLLM prefill: keep a hand-off's KV blocks until the decode node has them
     time_scale: float = 1.0  # emulated: wall seconds per emulated second
     kv_scale: int = 1000  # emulated: KV payload bytes divided by this
     seed: int = 0  # emulated: step-noise seed (per node: plus a hash of its id)
-    stall_timeout_s: float = 20.0  # unhealthy: work but no step (or no answer to a ping) for this long
+    stall_timeout_s: float = 10.0  # unhealthy: no step and no answer to a ping for this long
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class NodeSpec:
     options: EngineOptions = EngineOptions()
     model_source: str = ""  # vLLM: where the weights are
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)  # vLLM: engine arguments, as-is
+    engine_metrics: bool = False  # vLLM: export vLLM's own metrics as Ray metrics (ray_vllm_*)
     local_rank: int = 0  # this replica's rank among the pool's replicas on its host
     ray_node_id: str = ""  # the Ray node (host) of the replica
     app_name: str = "kairos"  # the Serve application (its engines share a staging directory per host)
@@ -80,8 +82,14 @@ class Engine(Protocol):
         """Prefill the whole prompt and hand its KV over (prefill nodes)."""
         ...
 
-    def generate(self, request: EngineRequest, handoff: KVHandoff | None) -> AsyncIterator[TokenEvent]:
-        """Stream the request's tokens (decode nodes): from ``handoff``'s KV, or deflected per its chunk schedule."""
+    def generate(self, request: EngineRequest, handoff: KVHandoff | None) -> AsyncIterator[list[TokenEvent]]:
+        """Stream the request's tokens (decode nodes): from ``handoff``'s KV, or deflected per its chunk schedule.
+
+        Each item holds every token that is ready when the consumer asks: one
+        item per token while it keeps up, several once it falls behind (never
+        waiting to batch), so that a slow serving path does not fall further
+        behind with one message per token.
+        """
         ...
 
     def release(self, request_id: int) -> None:
@@ -94,6 +102,10 @@ class Engine(Protocol):
 
     def check_health(self) -> None:
         """Raise ``EngineUnhealthy`` if the engine died or has made no progress for ``stall_timeout_s``."""
+        ...
+
+    def engine_pids(self) -> list[int]:
+        """The processes that step this engine (a vLLM engine core; the replica itself for an emulated engine)."""
         ...
 
     async def shutdown(self) -> None:

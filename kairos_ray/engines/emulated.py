@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import itertools
 import math
+import os
 import time
 import zlib
 from collections.abc import AsyncIterator
@@ -102,7 +103,7 @@ class EmulatedEngine:
             model,
             hardware,
             spec.prefill_chunk_tokens,
-            StateReporter(spec.ray_node_id, model, spec.on_state, options.report_interval_s),
+            StateReporter(spec.ray_node_id, model, spec.on_state, options.report_interval_s, options.report_refresh_s),
             build_transport(spec.node_id, "", options.kv_timeout_s, secret=spec.app_secret),
             guard=spec.policy.chunk_guard(),
             time_scale=options.time_scale,
@@ -115,6 +116,9 @@ class EmulatedEngine:
     async def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    def engine_pids(self) -> list[int]:
+        return [os.getpid()]  # the step loop runs in this process
 
     def check_health(self) -> None:
         """Raises ``EngineUnhealthy`` once the step loop has died (an emulated engine cannot stall on its own)."""
@@ -238,7 +242,7 @@ class EmulatedEngine:
             raise RuntimeError(f"{self.node_id} is a {self.role} node")
         job = Job(next(self._job_ids), time.monotonic(), request.prompt_tokens, request.max_tokens)
         done = self._done[job.request_id] = asyncio.get_running_loop().create_future()
-        self.prefill_node.queue.append(job)
+        self.prefill_node.enqueue(job)
         self.reporter.accepted(request.request_id)
         self._wake.set()
         try:
@@ -271,7 +275,7 @@ class EmulatedEngine:
             return False
         return sum(len(b) for b in payload.values()) == handoff.kv_bytes
 
-    async def generate(self, request: EngineRequest, handoff: KVHandoff | None) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: EngineRequest, handoff: KVHandoff | None) -> AsyncIterator[list[TokenEvent]]:
         if self.role is not Role.DECODE:
             raise RuntimeError(f"{self.node_id} is a {self.role} node")
         job = Job(next(self._job_ids), time.monotonic(), request.prompt_tokens, request.max_tokens)
@@ -304,9 +308,11 @@ class EmulatedEngine:
             self.reporter.accepted(request.request_id)
             self._wake.set()
             while not finished:
-                event = await stream.get()
-                finished = event.finished
-                yield event
+                ready = [await stream.get()]
+                while not stream.empty():  # coalesce what is already there, never wait for more
+                    ready.append(stream.get_nowait())
+                finished = ready[-1].finished
+                yield ready
         finally:
             self._streams.pop(job.request_id, None)
             if not finished:  # the client went away, or the request failed: the node drops the job

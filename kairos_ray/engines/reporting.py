@@ -1,9 +1,12 @@
 """A node's reports to the router: the one place a ``NodeState`` is built.
 
 Engines call ``stepped`` after each step and ``accepted`` when they take a
-request; ``report`` pushes the state (at most every ``interval_s``, or at
-once when forced: the heartbeat) with the steps and requests since the
-previous push.
+request; ``report`` pushes the state with the steps and requests since the
+previous push. A push costs an RPC on both ends, so it goes only when it
+tells the router something a decision depends on: a request taken, or a
+change of the node's shape (its queue, its batch, its committed deflections)
+at most every ``interval_s``; otherwise (the KV growing by a token per
+request and step) every ``refresh_s``, and always on the heartbeat.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from kairos_ray.core import DecodeNodeView, PrefillNodeView, StepLatency
 from kairos_ray.messages import NodeState, StepRecord
 
 MAX_STEPS_PER_REPORT = 64  # a report carries at most this many of the latest steps
+REFRESH_S = 0.25  # a node whose shape did not change still reports this often while it steps
 
 
 class StateReporter:
@@ -28,9 +32,11 @@ class StateReporter:
         predictor: StepLatency | None,
         on_state: Callable[[NodeState], None] | None,
         interval_s: float,
+        refresh_s: float = REFRESH_S,
     ) -> None:
         self.ray_node_id, self.predictor = ray_node_id, predictor
-        self.on_state, self.interval_s = on_state, interval_s
+        self.on_state, self.interval_s, self.refresh_s = on_state, interval_s, refresh_s
+        self._shape: tuple[object, ...] = ()  # of the last pushed view
         self.snapshot: Callable[[], NodeState] | None = None  # the engine's ``state``
         self._accepted: list[int] = []
         self._steps: deque[StepRecord] = deque(maxlen=MAX_STEPS_PER_REPORT)
@@ -73,11 +79,25 @@ class StateReporter:
         )
 
     def report(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if self.on_state is None or self.snapshot is None or (not force and now - self._pushed_s < self.interval_s):
+        if self.on_state is None or self.snapshot is None:
             return
-        self._pushed_s = now
+        since = time.monotonic() - self._pushed_s
+        if not force and since < self.interval_s:
+            return
+        state = self.snapshot()
+        shape = _shape(state)
+        if not (force or self._accepted or shape != self._shape or since >= self.refresh_s):
+            return
+        self._pushed_s, self._shape = time.monotonic(), shape
         accepted, self._accepted = tuple(self._accepted), []
         steps = tuple(self._steps)
         self._steps.clear()
-        self.on_state(replace(self.snapshot(), steps=steps, accepted_request_ids=accepted))
+        self.on_state(replace(state, steps=steps, accepted_request_ids=accepted))
+
+
+def _shape(state: NodeState) -> tuple[object, ...]:
+    """What a decision depends on beyond the KV's steady growth: queue, batch, commitments, health."""
+    view = state.view
+    if isinstance(view, PrefillNodeView):
+        return (view.queued_prompt_tokens, view.queued_cached_tokens, state.healthy)
+    return (view.batch_size, view.committed, view.committed_cached_tokens, state.num_waiting, state.healthy)

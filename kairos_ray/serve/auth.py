@@ -30,7 +30,10 @@ class ApiKeys:
         if env and os.environ.get(env):
             found += [k.strip() for k in os.environ[env].split(",")]
         if file:
-            found += [line.strip() for line in Path(file).read_text().splitlines()]
+            try:
+                found += [line.strip() for line in Path(file).expanduser().read_text().splitlines()]
+            except OSError as exc:
+                raise ValueError(f"serving.api_key_file {file!r} cannot be read: {exc}") from None
         return cls(k for k in found if k)
 
     @property

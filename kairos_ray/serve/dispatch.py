@@ -42,7 +42,7 @@ from typing import Any
 from ray.serve.handle import DeploymentHandle
 
 from kairos_ray.core import Route
-from kairos_ray.messages import EngineRequest, KVHandoff, RoutingReply, TokenEvent, TTFTBreakdown
+from kairos_ray.messages import DecisionRequest, EngineRequest, KVHandoff, RoutingReply, TokenEvent, TTFTBreakdown
 from kairos_ray.serve.metrics import IngressMetrics
 
 logger = logging.getLogger("ray.serve")
@@ -96,6 +96,45 @@ class _NodeFailed(Exception):
         self.node, self.cause = node, cause
 
 
+class DecisionBatcher:
+    """Asks the router for the decisions wanted in one event-loop tick in one call (``Router.decide_many``).
+
+    It never waits to batch: the call goes at the end of the tick in which the
+    first decision was wanted, with whatever else that tick wanted too.
+    """
+
+    def __init__(self, router: DeploymentHandle) -> None:
+        self.router = router
+        self._wanted: list[tuple[DecisionRequest, asyncio.Future[RoutingReply]]] = []
+        self._calls: set[asyncio.Task[None]] = set()
+
+    async def decide(self, request: DecisionRequest) -> RoutingReply:
+        loop = asyncio.get_running_loop()
+        reply: asyncio.Future[RoutingReply] = loop.create_future()
+        self._wanted.append((request, reply))
+        if len(self._wanted) == 1:
+            loop.call_soon(self._send)
+        return await reply
+
+    def _send(self) -> None:
+        wanted, self._wanted = self._wanted, []
+        call = asyncio.get_running_loop().create_task(self._call(wanted))
+        self._calls.add(call)
+        call.add_done_callback(self._calls.discard)
+
+    async def _call(self, wanted: list[tuple[DecisionRequest, asyncio.Future[RoutingReply]]]) -> None:
+        try:
+            replies = await self.router.decide_many.remote([request for request, _ in wanted])
+        except Exception as exc:  # each caller gets the failure and falls back
+            for _, reply in wanted:
+                if not reply.done():
+                    reply.set_exception(exc)
+            return
+        for (_, reply), answer in zip(wanted, replies, strict=True):
+            if not reply.done():  # a caller whose deadline passed has gone
+                reply.set_result(answer)
+
+
 class Dispatcher:
     """Runs requests over the router and the two pools (calls name their node: ``serve.delivery``)."""
 
@@ -107,7 +146,8 @@ class Dispatcher:
         limits: ServingLimits,
         metrics: IngressMetrics,
     ) -> None:
-        self.router, self.prefill, self.decode = router, prefill, decode
+        self.prefill, self.decode = prefill, decode
+        self.decisions = DecisionBatcher(router)
         self.limits = limits
         self.metrics = metrics
 
@@ -115,12 +155,9 @@ class Dispatcher:
         return RequestRun(self, request)
 
     async def decide(self, request: EngineRequest, avoid: tuple[str, ...]) -> RoutingReply:
+        wanted = DecisionRequest(request.request_id, request.prompt_tokens, request.max_tokens, avoid)
         try:
-            reply: RoutingReply = await asyncio.wait_for(
-                self.router.decide.remote(request.request_id, request.prompt_tokens, request.max_tokens, avoid),
-                self.limits.decision_timeout_s,
-            )
-            return reply
+            return await asyncio.wait_for(self.decisions.decide(wanted), self.limits.decision_timeout_s)
         except Exception as exc:  # whatever keeps the router from answering: disaggregate, counted
             self.metrics.fallbacks.inc(tags={"route": Route.PREFILL.value, "reason": "fallback"})
             logger.warning("router could not decide (%s: %s); disaggregating", type(exc).__name__, exc)
@@ -145,8 +182,11 @@ class RequestRun:
 
     # ---- before the first token ----------------------------------------------------------------
 
-    async def start(self) -> TokenEvent:
-        """Run the request to its first token, retrying on failed nodes; raises ``RequestFailed``."""
+    async def start(self) -> list[TokenEvent]:
+        """Run the request to its first token (with whatever came with it), retrying on failed nodes.
+
+        Raises ``RequestFailed``.
+        """
         limits = self.limits
         failure: _NodeFailed | None = None
         try:
@@ -154,7 +194,7 @@ class RequestRun:
                 while self.attempts < limits.max_attempts:
                     try:
                         first = await self._attempt(self.request)
-                        self.sent.append(first.token_id)
+                        self.sent += [event.token_id for event in first]
                         return first
                     except _NodeFailed as failed:
                         failure = failed
@@ -168,8 +208,8 @@ class RequestRun:
             ) from None
         raise RequestFailed(503, f"the request failed on {self.attempts} tries; last: {failure}")
 
-    async def _attempt(self, request: EngineRequest) -> TokenEvent:
-        """One try: decide, run the route, wait for the first token; raises ``_NodeFailed``."""
+    async def _attempt(self, request: EngineRequest) -> list[TokenEvent]:
+        """One try: decide, run the route, wait for the first tokens; raises ``_NodeFailed``."""
         request = dataclasses.replace(request, attempt=self.attempts)
         self.attempts += 1
         reply = await self.dispatcher.decide(request, tuple(self._avoid))
@@ -195,15 +235,15 @@ class RequestRun:
         self._stream = decode.generate.remote(request, handoff, node=decision.decode_node, avoid=avoid)
         self._calls.append(self._stream)
         try:
-            first: TokenEvent = await self._stream.__anext__()
+            first: list[TokenEvent] = await self._stream.__anext__()
         except (asyncio.CancelledError, TimeoutError):
             raise
         except Exception as exc:
             raise _NodeFailed(decision.decode_node, exc) from exc
-        self._decode_node = first.node_id
+        self._decode_node = first[0].node_id
         self._release_kv()
         if self.route is None:  # the route the response reports: the first one that streamed
-            self.route = self._taken(request, reply, handoff, first)
+            self.route = self._taken(request, reply, handoff, first[0])
         return first
 
     def _taken(
@@ -237,12 +277,16 @@ class RequestRun:
 
     # ---- after the first token -------------------------------------------------------------------
 
-    async def rest(self) -> AsyncIterator[TokenEvent]:
-        """The tokens after the first; migrates on decode failure or stall; raises ``StreamBroken``."""
+    async def rest(self) -> AsyncIterator[list[TokenEvent]]:
+        """The tokens after the first ones, as they come; migrates on decode failure or stall.
+
+        Raises ``StreamBroken``.
+        """
         stall_s = self.limits.token_stall_timeout_s
         while True:
             try:
-                event: TokenEvent = await asyncio.wait_for(self._stream.__anext__(), stall_s)
+                async with asyncio.timeout(stall_s):  # a timer per wait, not a task per token
+                    ready: list[TokenEvent] = await self._stream.__anext__()
             except StopAsyncIteration:
                 return
             except asyncio.CancelledError:
@@ -251,9 +295,9 @@ class RequestRun:
                 cause = f"no token for {stall_s:g} s" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}"
                 await self._migrate(cause)
                 continue
-            self.sent.append(event.token_id)
-            yield event
-            if event.finished:
+            self.sent += [event.token_id for event in ready]
+            yield ready
+            if ready[-1].finished:
                 return
 
     async def _migrate(self, cause: str) -> None:
@@ -311,7 +355,7 @@ class RequestRun:
         self._release_kv()
 
 
-async def _prepend(first: TokenEvent, rest: Any) -> AsyncIterator[TokenEvent]:
+async def _prepend(first: list[TokenEvent], rest: Any) -> AsyncIterator[list[TokenEvent]]:
     yield first
-    async for event in rest:
-        yield event
+    async for ready in rest:
+        yield ready

@@ -35,6 +35,7 @@ HEALTH_CHECK_TIMEOUT_S = 20.0  # a replica that does not answer in time (its pro
     graceful_shutdown_timeout_s=120,
     health_check_period_s=HEALTH_CHECK_PERIOD_S,
     health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
+    logging_config={"enable_access_log": False},  # calls are per request and per release: the ingress logs requests
 )
 class EngineServer:
     """A node of the ``role`` pool."""
@@ -64,7 +65,8 @@ class EngineServer:
             prefill_chunk_tokens=config.prefill_chunk_tokens,
             options=options.engine_options(),
             model_source=pool_config.model_loading_config.source,
-            engine_kwargs=pool_config.engine_kwargs,
+            engine_kwargs=pool_config.vllm_engine_kwargs(),
+            engine_metrics=pool_config.log_engine_metrics,
             local_rank=context.rank.local_rank,
             ray_node_id=ray.get_runtime_context().get_node_id(),
             app_name=context.app_name,
@@ -93,13 +95,17 @@ class EngineServer:
 
     async def generate(
         self, request: EngineRequest, handoff: KVHandoff | None, node: str | None = None, avoid: tuple[str, ...] = ()
-    ) -> AsyncIterator[TokenEvent]:
-        async for event in self.engine.generate(request, handoff):
-            yield event
+    ) -> AsyncIterator[list[TokenEvent]]:
+        async for ready in self.engine.generate(request, handoff):
+            yield ready
 
     def check_health(self) -> None:
         """Serve's health check: an engine that died or stalled fails it, and Serve replaces this replica."""
         self.engine.check_health()
+
+    async def engine_pids(self, node: str | None = None) -> list[int]:
+        """The processes that step this node's engine (for fault injection: ``bench.faults``)."""
+        return self.engine.engine_pids()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Kairos's signals for ``serve.autoscaling.KairosPoolPolicy``, from this node's own view."""

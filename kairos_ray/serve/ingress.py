@@ -45,6 +45,7 @@ from kairos_ray.serve.admission import Admission, GuardedStream
 from kairos_ray.serve.args import ServingConfig
 from kairos_ray.serve.auth import ApiKeys
 from kairos_ray.serve.dispatch import Dispatcher, RequestFailed, RequestRun, ServingLimits, StreamBroken
+from kairos_ray.serve.live import live_state
 from kairos_ray.serve.metrics import IngressMetrics
 from kairos_ray.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from kairos_ray.serve.responses import ResponseWriter, route_headers
@@ -119,6 +120,7 @@ class Ingress:
             opts.max_attempts,
             opts.max_migrations,
         )
+        self.router = router
         self.dispatcher = Dispatcher(router, prefill, decode, limits, self.metrics)
 
     # ---- plain endpoints -------------------------------------------------------------------
@@ -141,6 +143,16 @@ class Ingress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, ChatCompletionRequest, chat=True)
+
+    @app.get("/kairos/state")
+    async def kairos_state(self, request: Request) -> Response:
+        """The live view ``kairos top`` shows: ``messages.LiveState`` as JSON (503 if the router does not answer)."""
+        if not self.keys.allows(request.headers.get("authorization")):
+            return self._unauthorized()
+        try:
+            return JSONResponse(await live_state(self.router, self.metrics.window))
+        except Exception as exc:  # whatever keeps the router from answering
+            return _error(503, f"the router did not answer: {type(exc).__name__}: {exc}")
 
     # ---- one request -------------------------------------------------------------------------
 
@@ -187,7 +199,7 @@ class Ingress:
                 run.close()
                 raise
             assert run.route is not None
-            writer = ResponseWriter(self.model_id, chat, run.route, prompt_tokens)
+            writer = ResponseWriter(self.model_id, chat, run.route, prompt_tokens, req.continuous_usage)
             headers = route_headers(run.route)
             if req.stream:
 
@@ -199,7 +211,9 @@ class Ingress:
                 streaming = True
                 return GuardedStream(events, done, media_type="text/event-stream", headers=headers)
             try:
-                tokens = [first, *[event async for event in self._timed(run)]]
+                tokens = list(first)
+                async for ready in self._timed(run):
+                    tokens += ready
             except StreamBroken as broken:
                 return _error(503, f"request failed after its first token: {broken}")
             finally:
@@ -256,25 +270,29 @@ class Ingress:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def _timed(self, run: RequestRun) -> AsyncIterator[TokenEvent]:
-        """The tokens after the first, observing every gap."""
-        route = run.route.route.value if run.route else ""
+    async def _timed(self, run: RequestRun) -> AsyncIterator[list[TokenEvent]]:
+        """The tokens after the first ones, observing every gap (tokens that come together: a gap of 0)."""
+        tags = {"route": run.route.route.value if run.route else ""}
         last_s = time.monotonic()
-        async for event in run.rest():
+        observe = self.metrics.tbt.observe
+        async for ready in run.rest():
             now = time.monotonic()
-            self.metrics.tbt.observe(now - last_s, tags={"route": route})
+            observe(now - last_s, tags=tags)
+            for _ in range(len(ready) - 1):
+                observe(0.0, tags=tags)
             last_s = now
-            yield event
+            yield ready
 
     async def _sse(
-        self, writer: ResponseWriter, run: RequestRun, first: TokenEvent, include_usage: bool
+        self, writer: ResponseWriter, run: RequestRun, first: list[TokenEvent], include_usage: bool
     ) -> AsyncGenerator[str, None]:
-        count = 1
-        yield writer.token(first)
+        """One event per token; the tokens that come together go out in one write."""
+        count = len(first)
+        yield "".join(map(writer.token, first))
         try:
-            async for event in self._timed(run):
-                count += 1
-                yield writer.token(event)
+            async for ready in self._timed(run):
+                count += len(ready)
+                yield "".join(map(writer.token, ready))
         except StreamBroken as broken:
             yield writer.error(f"request failed after {count} tokens: {broken}")
         else:

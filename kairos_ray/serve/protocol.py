@@ -45,6 +45,11 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed event (vLLM's ``continuous_usage_stats``): clients count tokens per event."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.get("continuous_usage_stats"))
+
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str]

@@ -66,8 +66,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 class ResponseWriter:
     """Bodies of one request's response, non-streamed or as server-sent events."""
 
-    def __init__(self, model_id: str, chat: bool, route: RouteTaken, prompt_tokens: int) -> None:
+    def __init__(
+        self, model_id: str, chat: bool, route: RouteTaken, prompt_tokens: int, continuous_usage: bool = False
+    ) -> None:
         self.model_id, self.chat, self.route, self.prompt_tokens = model_id, chat, route, prompt_tokens
+        self.continuous_usage = continuous_usage  # usage in every token event
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{route.request_id}"
         self.created = int(time.time())
 
@@ -113,7 +116,9 @@ class ResponseWriter:
             choice["text"] = event.text
         if event.finished:
             choice["finish_reason"] = event.finish_reason or "length"
-        extra = {"kairos": route_field(self.route)} if event.index == 0 else {}
+        extra: dict[str, Any] = {"kairos": route_field(self.route)} if event.index == 0 else {}
+        if self.continuous_usage:
+            extra["usage"] = usage(self.prompt_tokens, event.index + 1)
         return self._event(self._chunk([choice], **extra))
 
     def usage(self, completion_tokens: int) -> str:

@@ -104,3 +104,30 @@ def write_outputs(
 
         written += plot_all(summary, out, slo)
     return written
+
+
+COMPARED = (
+    ("P50 TTFT s", "p50_ttft_s"),
+    ("P95 TTFT s", "p95_ttft_s"),
+    ("P99 TTFT s", "p99_ttft_s"),
+    ("P95 TBT ms", "p95_tbt_s"),
+    ("P99 TBT ms", "p99_tbt_s"),
+    ("TBT violations %", "tbt_violation_pct"),
+    ("SLO attainment %", "slo_attainment_pct"),
+    ("deflections", "deflections"),
+    ("P95 prefill queue s", "p95_prefill_queue_s"),
+    ("P95 prefill exec s", "p95_prefill_exec_s"),
+    ("P95 KV transfer s", "p95_kv_transfer_s"),
+    ("P95 decode queue s", "p95_decode_queue_s"),
+)
+
+
+def compare_rows(sim: dict[str, Any], live: dict[str, Any]) -> str:
+    """The simulator's and a live run's summaries side by side, with live / sim for each figure."""
+    lines = [f"{'':<22} {'sim':>10} {'live':>10} {'live/sim':>9}"]
+    for label, key in COMPARED:
+        scale = 1e3 if label.endswith(" ms") else 1.0
+        a, b = scale * float(sim[key]), scale * float(live[key])
+        ratio = f"{b / a:>8.2f}x" if a else f"{'-':>9}"
+        lines.append(f"{label:<22} {a:>10.3f} {b:>10.3f} {ratio}")
+    return "\n".join(lines)

@@ -37,7 +37,9 @@ def engine(role: Role, states: list[NodeState], **options) -> EmulatedEngine:
         policy=KairosConfig().build_policy(),
         profile=PROFILE,
         prefill_chunk_tokens=2048,
-        options=EngineOptions(time_scale=0.05, kv_scale=KV_SCALE, report_interval_s=0.0, **options),
+        options=EngineOptions(
+            time_scale=0.05, kv_scale=KV_SCALE, report_interval_s=0.0, report_refresh_s=0.0, **options
+        ),
         on_state=states.append,
     )
     built = build_engine("emulated", spec)
@@ -50,7 +52,7 @@ def request(rid: int, prompt_tokens: int, max_tokens: int = 5, schedule: tuple[i
 
 
 async def collect(decode: EmulatedEngine, req: EngineRequest, handoff: KVHandoff | None):
-    return [event async for event in decode.generate(req, handoff)]
+    return [event async for ready in decode.generate(req, handoff) for event in ready]
 
 
 def test_a_disaggregated_request_hands_its_kv_through_the_object_store():
@@ -146,3 +148,21 @@ def test_state_is_a_typed_report_and_shutdown_stops_the_loop():
     assert task is not None and task.done()
     with pytest.raises(ValueError, match="unknown engine 'tgi'"):
         build_engine("tgi", None)  # type: ignore[arg-type]
+
+
+def test_a_consumer_that_falls_behind_gets_the_ready_tokens_together():
+    async def scenario():
+        decode = engine(Role.DECODE, [])
+        await decode.start()
+        try:
+            stream = decode.generate(request(10, 200, max_tokens=40, schedule=(200,)), None)
+            items = [await stream.__anext__()]
+            await asyncio.sleep(0.3)  # about 10 steps at this time scale: the tokens queue up meanwhile
+            items += [ready async for ready in stream]
+            return items
+        finally:
+            await decode.shutdown()
+
+    items = asyncio.run(scenario())
+    assert [e.index for ready in items for e in ready] == list(range(40))  # each token once, in order
+    assert len(items[0]) == 1 and len(items[1]) > 1  # one message for what was ready, not one per token

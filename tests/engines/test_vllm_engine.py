@@ -63,7 +63,7 @@ def nodes(tmp_path_factory):
         staging = str(tmp_path_factory.mktemp(role))
         return {}, {
             "kv_timeout_s": KV_TIMEOUT_S,
-            "reporter": StateReporter("", MODEL, states[role].append, interval_s=0.0),  # a report per step
+            "reporter": StateReporter("", MODEL, states[role].append, interval_s=0.0, refresh_s=0.0),  # every step
             "staging_dir": staging,
             "kv_channel": "gloo",
             "hold_blocks": role == "prefill",  # the prefill node keeps its blocks until the KV is taken
@@ -94,7 +94,7 @@ def reference(nodes):
 
 
 async def tokens(decode, req, handoff):
-    return [event.token_id async for event in decode.generate(req, handoff)]
+    return [event.token_id async for ready in decode.generate(req, handoff) for event in ready]
 
 
 def test_disaggregated_requests_over_the_object_store_match_a_plain_run(nodes, reference):

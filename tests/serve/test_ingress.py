@@ -9,6 +9,7 @@ import pytest
 
 from kairos_ray.core import Route
 from kairos_ray.messages import TokenEvent, TTFTBreakdown
+from kairos_ray.serve.auth import ApiKeys
 from kairos_ray.serve.dispatch import RouteTaken
 from kairos_ray.serve.responses import ResponseWriter, route_headers
 
@@ -82,3 +83,28 @@ def test_a_chat_stream_opens_with_the_role_and_the_route_and_closes_with_usage()
     assert chunks[0]["kairos"]["prefill_node"] == "prefill-b" and "kairos" not in chunks[1]
     assert [c["choices"][0]["finish_reason"] for c in chunks[:3]] == [None, None, "stop"]
     assert chunks[3]["choices"] == [] and chunks[3]["usage"]["completion_tokens"] == 3
+
+
+def test_api_keys_come_from_the_config_the_environment_and_a_file(tmp_path, monkeypatch):
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("sk-file\n\n")
+    monkeypatch.setenv("KAIROS_TEST_KEYS", "sk-env-1, sk-env-2")
+    keys = ApiKeys.gather(["sk-config"], "KAIROS_TEST_KEYS", str(keys_file))
+    assert keys.required
+    for key in ("sk-config", "sk-env-1", "sk-env-2", "sk-file"):
+        assert keys.allows(f"Bearer {key}") and keys.allows(f"bearer {key}")
+    for header in (None, "", "Bearer", "Bearer sk-other", "Basic sk-config", "sk-config"):
+        assert not keys.allows(header)
+    open_door = ApiKeys.gather([], "KAIROS_NO_SUCH_VARIABLE", None)
+    assert not open_door.required and open_door.allows(None)
+    with pytest.raises(ValueError, match="api_key_file 'nowhere' cannot be read"):
+        ApiKeys.gather([], None, "nowhere")
+
+
+def test_continuous_usage_counts_the_tokens_so_far_in_every_event():
+    writer = ResponseWriter("m", False, DEFLECTED, prompt_tokens=10, continuous_usage=True)
+    chunks = events([writer.token(t) for t in tokens(3)])
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3]
+    assert all(c["usage"]["prompt_tokens"] == 10 for c in chunks)
+    plain = events([ResponseWriter("m", False, DEFLECTED, prompt_tokens=10).token(tokens(1)[0])])
+    assert "usage" not in plain[0]

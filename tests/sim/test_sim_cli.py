@@ -2,6 +2,7 @@
 
 import csv
 
+from kairos_ray.sim.run import COMPARED
 from tests.test_cli import kairos
 
 REQUIRED = {"policy", "rps", "p95_ttft_s", "p95_tbt_s", "tbt_violation_pct", "slo_attainment_pct", "deflections"}
@@ -68,3 +69,14 @@ def test_sim_bad_input_is_a_message(tmp_path):
         result = kairos("sim", *args, "--out", str(tmp_path / "o"))
         assert result.returncode == 2, args
         assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_sim_and_live_summaries_print_side_by_side_with_their_ratio():
+    from kairos_ray.sim.run import compare_rows
+
+    sim = {key: 1.0 for _, key in COMPARED}
+    live = {**sim, "p95_ttft_s": 1.5, "p95_tbt_s": 0.02, "deflections": 0}
+    text = compare_rows(sim, live)
+    lines = {line[:22].strip(): line.split() for line in text.splitlines()[1:]}
+    assert lines["P95 TTFT s"][-1] == "1.50x" and lines["P95 TBT ms"][-3:] == ["1000.000", "20.000", "0.02x"]
+    assert len(lines) == len(COMPARED)

@@ -1,0 +1,140 @@
+"""The router's live decision latency and ceiling, through real Serve handles, as the ingress calls it.
+
+    python -m kairos_ray.bench.router_latency --rps 4 --decisions 120 --seconds 10
+
+Starts a local Ray and Serve with one ``Router`` replica (the app's own
+deployment) whose view four engine nodes (2 prefill, 2 decode, seeded busy
+states from ``kairos_ray.scenarios``) keep fresh with reports at the engines'
+rate, then:
+
+- latency: decisions sent open loop at ``--rps``, each timed from the call to
+  its reply (p50, p99), with the reports going on (each acknowledging the
+  decisions made since the previous one, as engines do when they take a
+  request);
+- ceiling: ``--callers`` concurrent callers, each sending its next decision
+  as soon as the last is answered, for ``--seconds``; decisions per second,
+  one call per decision and in batches of ``--batch`` (``Router.decide_many``,
+  as the ingress batches the decisions of one event-loop tick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import random
+import statistics
+import time
+from dataclasses import replace
+
+import numpy as np
+import ray
+from ray import serve
+
+from kairos_ray.config import KairosConfig
+from kairos_ray.core import DecodeNodeView, PrefillNodeView
+from kairos_ray.messages import DecisionRequest, NodeState
+from kairos_ray.scenarios import prompt_tokens, random_view
+from kairos_ray.serve.router import Router
+
+
+def node_states(seed: int) -> list[NodeState]:
+    config = KairosConfig()
+    params = config.policy_params()
+    view = random_view(random.Random(seed), config.predictor.load(), 2, 2, params.chunk_candidates, params.tbt_budget_s)
+    views: list[PrefillNodeView | DecodeNodeView] = [*view.prefill, *view.decode]
+    return [NodeState(v, "bench", time.time()) for v in views]
+
+
+DECIDED: list[int] = []  # request ids decided since the last report: the next one acknowledges them
+
+
+async def keep_reporting(router: object, states: list[NodeState], interval_s: float) -> None:
+    """Each node reports every ``interval_s``; the first one of a round acknowledges the decisions made since."""
+    while True:
+        taken, DECIDED[:] = tuple(DECIDED), []
+        for i, state in enumerate(states):
+            report = replace(state, wall_s=time.time(), accepted_request_ids=taken if i == 0 else ())
+            router.report.remote(report)  # type: ignore[attr-defined]
+        await asyncio.sleep(interval_s)
+
+
+async def latency(router: object, rps: float, count: int, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    ids = itertools.count(1 << 40)
+    times: list[float] = []
+
+    async def one() -> None:
+        start = time.perf_counter()
+        rid = next(ids)
+        await router.decide.remote(DecisionRequest(rid, prompt_tokens(rng), 256))  # type: ignore[attr-defined]
+        times.append(time.perf_counter() - start)
+        DECIDED.append(rid)
+
+    tasks = []
+    for _ in range(count):
+        tasks.append(asyncio.create_task(one()))
+        await asyncio.sleep(rng.expovariate(rps))
+    await asyncio.gather(*tasks)
+    return times
+
+
+async def ceiling(router: object, callers: int, seconds: float, batch: int, seed: int) -> float:
+    rng = random.Random(seed)
+    ids = itertools.count(1 << 41)
+    done = 0
+    deadline = time.monotonic() + seconds
+
+    async def caller() -> None:
+        nonlocal done
+        while time.monotonic() < deadline:
+            requests = [DecisionRequest(next(ids), prompt_tokens(rng), 256) for _ in range(batch)]
+            if batch == 1:
+                await router.decide.remote(requests[0])  # type: ignore[attr-defined]
+            else:
+                await router.decide_many.remote(requests)  # type: ignore[attr-defined]
+            DECIDED.extend(r.request_id for r in requests)
+            done += batch
+
+    start = time.monotonic()
+    await asyncio.gather(*(caller() for _ in range(callers)))
+    return done / (time.monotonic() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rps", type=float, default=4.0, help="decisions per second for the latency run")
+    parser.add_argument("--decisions", type=int, default=120, help="decisions timed for latency")
+    parser.add_argument("--report-interval-s", type=float, default=0.02, help="how often each node reports")
+    parser.add_argument("--callers", type=int, default=32, help="concurrent callers for the ceiling")
+    parser.add_argument("--batch", type=int, default=16, help="decisions per call in the batched ceiling run")
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of each ceiling run")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        app = Router.bind(KairosConfig().model_dump(mode="json"))  # type: ignore[attr-defined]
+        router = serve.run(app, name="router-bench", route_prefix=None)
+
+        async def run() -> None:
+            reporting = asyncio.create_task(keep_reporting(router, node_states(args.seed), args.report_interval_s))
+            await asyncio.sleep(1.0)
+            times = await latency(router, args.rps, args.decisions, args.seed)
+            p50, p99 = np.percentile(np.array(times) * 1e3, [50, 99])
+            print(f"latency at {args.rps:g} decisions/s, {len(times)} decisions: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
+            single = await ceiling(router, args.callers, args.seconds, 1, args.seed)
+            print(f"ceiling, one decision per call, {args.callers} callers: {single:,.0f} decisions/s")
+            batched = await ceiling(router, args.callers, args.seconds, args.batch, args.seed)
+            print(f"ceiling, {args.batch} decisions per call, {args.callers} callers: {batched:,.0f} decisions/s")
+            print(f"median of the latency run: {1e3 * statistics.median(times):.2f} ms")
+            reporting.cancel()
+
+        asyncio.run(run())
+    finally:
+        serve.shutdown()  # type: ignore[no-untyped-call]
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
