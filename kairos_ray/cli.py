@@ -14,6 +14,7 @@ import yaml
 
 from kairos_ray import __version__
 from kairos_ray.config import ConfigError, KairosConfig, load_config
+from kairos_ray.workloads.synthetic import WORKLOADS
 
 T = TypeVar("T")
 
@@ -261,7 +262,7 @@ _ints = _arg_type(
 def _add_source(parser: argparse.ArgumentParser) -> None:
     """What to replay: a synthetic workload or a trace (sim and bench)."""
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--workload", choices=["lpld", "lphd", "hpld", "hphd", "bursty"], help="synthetic workload")
+    source.add_argument("--workload", choices=WORKLOADS, help="synthetic workload")
     source.add_argument("--trace", metavar="FILE", help="Azure / Mooncake (.jsonl) / BurstGPT / plain CSV trace")
 
 

@@ -88,6 +88,11 @@ class PolicyConfig(_Section):
     static_chunk_tokens: int = Field(
         DEFAULT_PARAMS.static_chunk_tokens, ge=1, description="fixed chunk the sq/sl baselines deflect with"
     )
+    prefix_aware: bool = Field(
+        DEFAULT_PARAMS.prefix_aware,
+        description="price each node's uncached prompt suffix from the cached context, given the prefix hits the "
+        "caller knows (a spec ending in +prefix or +blind overrides it)",
+    )
     thresholds: ThresholdsConfig = ThresholdsConfig()
 
     @field_validator("name")
@@ -144,6 +149,7 @@ class KairosConfig(_Section):
             beta=p.beta,
             prefill_estimator=p.prefill_estimator,
             static_chunk_tokens=p.static_chunk_tokens,
+            prefix_aware=p.prefix_aware,
         )
 
     def thresholds(self) -> Thresholds:

@@ -23,10 +23,24 @@ attends over the head job's prefilled context (the first element of
 ``begin_step``'s answer, its prefix and the node's KV at once); a decode
 node's chunk over its own job's earlier chunks, ``DecodeNode.prefix_tokens``.
 
+Prefix caching: a node given a ``BlockCache`` (``core.prefix``) keeps the
+blocks of the jobs that carry ``block_hashes``, as vLLM's prefix cache does,
+within its KV capacity. A job takes its hit when it is queued or committed
+(``PrefillNode.enqueue``, ``DecodeNode.deflect``) and its prompt is computed
+from there: only the uncached suffix, each chunk priced from the context
+already in KV. A deflected job's schedule is cut to that suffix (a cache-blind
+policy planned the whole prompt; the engine runs its leading chunks). A
+finished prefill leaves its prompt's blocks cached on the prefill node; a
+decode node keeps a finished job's prompt and generated blocks. Before a
+hand-off, ``DecodeNode.expect`` takes the blocks the decode node already
+holds, so only the missing ones travel. Jobs without hashes (every trace
+without prefix identity) touch no cache.
+
 Per step the decode node does O(1) work plus O(log B) per job that joins or
-finishes; it keeps no per-token state, which is what lets the simulator
-replay long traces quickly. Drivers that stream tokens keep their own set of
-running jobs from ``joined`` and ``finished``.
+finishes (plus O(blocks) for a job with prefix identity); it keeps no
+per-token state, which is what lets the simulator replay long traces quickly.
+Drivers that stream tokens keep their own set of running jobs from ``joined``
+and ``finished``.
 """
 
 from __future__ import annotations
@@ -36,7 +50,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from kairos_ray.core import Decision, DecodeNodeView, Guard, PrefillNodeView
+from kairos_ray.core import BlockCache, BlockHash, Decision, DecodeNodeView, Guard, PrefillNodeView
 
 
 @dataclass(slots=True, eq=False)
@@ -61,35 +75,93 @@ class Job:
     join_step: int = 0  # first decode-node step in which it emits a decode token
     last_step: int = 0  # decode-node step of its last token
     cancelled: bool = False  # its client went away: the node drops it at the end of the step in flight
+    block_hashes: tuple[BlockHash, ...] = ()  # chained hashes of its full blocks: prompt, then generated tokens
+    cached_tokens: int = 0  # prompt tokens the cache of the node that prefills it held (its first chunk's prefix)
+    handoff_cached_tokens: int = 0  # prefill route: prompt tokens its decode node held, so not transferred
+    pinned_blocks: int = 0  # leading block_hashes it holds in the cache of the node it is on
+
+
+def covering(schedule: tuple[int, ...], tokens: int) -> tuple[int, ...]:
+    """The chunks that compute ``tokens``: the schedule's leading ones, the last cut to fit, the rest dropped;
+    a schedule short of ``tokens`` gets the remainder as one more chunk.
+
+    A node with a prefix cache computes only the uncached suffix of a deflected prompt, step by step as planned.
+    """
+    if sum(schedule) == tokens:
+        return schedule
+    chunks: list[int] = []
+    for chunk in schedule:
+        if tokens <= 0:
+            break
+        chunks.append(min(chunk, tokens))
+        tokens -= chunk
+    if tokens > 0:
+        chunks.append(tokens)
+    return tuple(chunks)
+
+
+def _take_hit(cache: BlockCache, job: Job) -> int:
+    """Pin the job's cached prompt blocks in ``cache``; returns the prompt tokens they hold."""
+    cached = cache.cached_tokens(job.block_hashes, job.prompt_tokens)
+    job.pinned_blocks = cached // cache.block_tokens
+    cache.pin(job.block_hashes[: job.pinned_blocks])
+    return cached
+
+
+def _hold_through(cache: BlockCache, job: Job, tokens: int) -> None:
+    """The job's blocks up to ``tokens`` are computed: pin the ones it does not hold yet."""
+    blocks = min(len(job.block_hashes), tokens // cache.block_tokens)
+    if blocks > job.pinned_blocks:
+        cache.pin(job.block_hashes[job.pinned_blocks : blocks])
+        job.pinned_blocks = blocks
+
+
+def _release(cache: BlockCache | None, job: Job) -> None:
+    """The job lets go of every block it holds in ``cache`` (they stay cached, free, tail first)."""
+    if cache is not None and job.pinned_blocks:
+        cache.unpin(job.block_hashes[: job.pinned_blocks])
+        job.pinned_blocks = 0
 
 
 @dataclass(eq=False)
 class PrefillNode:
     node_id: str
     chunk_tokens: int
+    cache: BlockCache | None = None  # prefix cache of the node's KV (None: no prefix caching)
+    kv_capacity_tokens: int = 0  # what the cache may fill, held blocks included
     queue: deque[Job] = field(default_factory=deque)
-    done_tokens: int = 0  # of the head job
+    done_tokens: int = 0  # of the head job, beyond its cache hit
     chunk: int = 0  # tokens of the step in flight
     busy: bool = False
     busy_s: float = 0.0
+    num_cached: int = 0  # queued jobs with a cache hit (the view lists hits only when some are)
 
     def view(self) -> PrefillNodeView:
-        queued = [j.prompt_tokens for j in self.queue]
+        queued = [j.prompt_tokens - j.cached_tokens for j in self.queue]
         if queued:
             queued[0] -= self.done_tokens
-        return PrefillNodeView(self.node_id, tuple(queued), head_prefilled_tokens=self.done_tokens)
+        cached = tuple(j.cached_tokens for j in self.queue) if self.num_cached else ()
+        return PrefillNodeView(self.node_id, tuple(queued), self.done_tokens, cached)
+
+    def enqueue(self, job: Job) -> None:
+        """Queue a job at the tail; with a cache, it takes its hit now (the blocks stay until its prefill ends)."""
+        if self.cache is not None and job.block_hashes:
+            job.cached_tokens = _take_hit(self.cache, job)
+            self.num_cached += job.cached_tokens > 0
+        self.queue.append(job)
 
     def begin_step(self, now: float) -> tuple[int, int] | None:
-        """(cached context, chunk tokens) of the next step, or None (idle)."""
+        """(context in KV, chunk tokens) of the next step, or None (idle)."""
         if not self.queue:
             self.busy = False
             return None
         head = self.queue[0]
         if self.done_tokens == 0:
             head.prefill_start_s = now
-        self.chunk = min(self.chunk_tokens, head.prompt_tokens - self.done_tokens)
+        context = head.cached_tokens + self.done_tokens
+        self.chunk = min(self.chunk_tokens, head.prompt_tokens - context)
         self.busy = True
-        return self.done_tokens, self.chunk
+        return context, self.chunk
 
     def cancel(self, job: Job) -> None:
         """Drop a queued job; the head, if a step of it is in flight, once that step ends."""
@@ -97,6 +169,7 @@ class PrefillNode:
             job.cancelled = True
         elif job in self.queue:
             self.queue.remove(job)
+            self._leave(job)
 
     def end_step(self, now: float) -> Job | None:
         """Apply the step; returns the job whose prompt it finished, if any (not a cancelled one)."""
@@ -105,13 +178,26 @@ class PrefillNode:
         if head.cancelled:
             self.queue.popleft()
             self.done_tokens = 0
+            self._leave(head)
             return None
-        if self.done_tokens < head.prompt_tokens:
+        if head.cached_tokens + self.done_tokens < head.prompt_tokens:
             return None
         self.queue.popleft()
         self.done_tokens = 0
         head.prefill_end_s = now
+        if self.cache is not None and head.block_hashes:
+            _hold_through(self.cache, head, head.prompt_tokens)
+        self._leave(head)
         return head
+
+    def _leave(self, job: Job) -> None:
+        """A job leaves the queue: its blocks stay cached, free, within the node's KV."""
+        self.num_cached -= job.cached_tokens > 0
+        cache = self.cache
+        if cache is not None and job.pinned_blocks:
+            _release(cache, job)
+            held = len(cache) - cache.free_blocks
+            cache.trim(self.kv_capacity_tokens // cache.block_tokens - held)
 
 
 @dataclass(eq=False)
@@ -121,6 +207,7 @@ class DecodeNode:
     max_batch_size: int
     guard: Guard | None = None
     record_durations: bool = True  # the simulator needs every step's duration for TBT; a server does not
+    cache: BlockCache | None = None  # prefix cache of the node's KV (None: no prefix caching)
     running: int = 0
     kv_tokens: int = 0
     reserved_tokens: int = 0  # prompt + output of every admitted or deflected job not yet finished
@@ -136,6 +223,14 @@ class DecodeNode:
     joined: list[Job] = field(default_factory=list)  # joined the batch in the last begin_step/end_step
     finished: list[Job] = field(default_factory=list)  # finished in the last end_step
     durations: list[float] = field(default_factory=list)  # every step's duration, index = step
+    num_cached: int = 0  # committed deflections with a cache hit (the view lists hits only when some are)
+
+    @property
+    def used_kv_tokens(self) -> int:
+        """KV the node's jobs take: their reservations, blocks two of them hold counted once."""
+        if self.cache is None:
+            return self.reserved_tokens
+        return self.reserved_tokens - self.cache.shared_blocks * self.cache.block_tokens
 
     def view(self) -> DecodeNodeView:
         committed = tuple(j.schedule[j.next_chunk :] for j in self.deflections)
@@ -145,15 +240,32 @@ class DecodeNode:
             batch_size=self.running,
             kv_tokens=self.kv_tokens,
             # headroom = free - pending = capacity - reservations (see DecodeNodeView)
-            free_kv_tokens=self.kv_capacity_tokens - self.reserved_tokens + pending,
+            free_kv_tokens=self.kv_capacity_tokens - self.used_kv_tokens + pending,
             committed=committed,
             head_prefilled_tokens=self.deflections[0].prefilled_tokens if self.deflections else 0,
+            committed_cached_tokens=tuple(j.cached_tokens for j in self.deflections) if self.num_cached else (),
         )
 
     def deflect(self, job: Job) -> None:
-        """Commit a deflected job; it runs after the deflections already here."""
+        """Commit a deflected job; it runs after the deflections already here.
+
+        With a cache, the job takes its hit now, and its schedule is cut to the uncached suffix.
+        """
+        if self.cache is not None and job.block_hashes:
+            job.cached_tokens = _take_hit(self.cache, job)
+            job.schedule = covering(job.schedule, job.prompt_tokens - job.cached_tokens)
+            self.num_cached += job.cached_tokens > 0
         self.reserved_tokens += job.prompt_tokens + job.output_tokens
         self.deflections.append(job)
+        self._fit_cache()
+
+    def expect(self, job: Job) -> int:
+        """A prefill node is about to send the job's KV here: take the blocks this node holds already
+        (they need not travel, as vLLM's NIXL connector pulls only the blocks a decode node lacks);
+        returns the prompt tokens that must travel."""
+        if self.cache is not None and job.block_hashes:
+            job.handoff_cached_tokens = _take_hit(self.cache, job)
+        return job.prompt_tokens - job.handoff_cached_tokens
 
     def transferred(self, job: Job, now: float) -> None:
         """A disaggregated job's KV has arrived; it joins the batch at a step start."""
@@ -164,10 +276,10 @@ class DecodeNode:
         """Drop a job: at once while it waits, at the end of the step in flight once it prefills or decodes."""
         if job in self.waiting:
             self.waiting.remove(job)
+            _release(self.cache, job)
         elif job in self.deflections and not (self.busy and self.deflections[0] is job):
             self.deflections.remove(job)
-            self.kv_tokens -= sum(job.schedule[: job.next_chunk])
-            self.reserved_tokens -= job.prompt_tokens + job.output_tokens
+            self._drop_deflection(job)
         elif not job.cancelled and job.finish_s != job.finish_s:  # not finished yet (finish_s is NaN)
             job.cancelled = True
             self.cancelling += 1
@@ -176,9 +288,7 @@ class DecodeNode:
         """End-of-step: remove cancelled jobs from the deflection head and the batch, freeing their KV."""
         self.cancelling = 0
         if self.deflections and self.deflections[0].cancelled:
-            head = self.deflections.popleft()
-            self.kv_tokens -= sum(head.schedule[: head.next_chunk])
-            self.reserved_tokens -= head.prompt_tokens + head.output_tokens
+            self._drop_deflection(self.deflections.popleft())
         dropped = [entry for entry in self.finishing if entry[2].cancelled]
         if not dropped:
             return
@@ -188,6 +298,23 @@ class DecodeNode:
             self.running -= 1
             self.kv_tokens -= job.prompt_tokens + max(0, self.step - job.join_step)
             self.reserved_tokens -= job.prompt_tokens + job.output_tokens
+            _release(self.cache, job)
+        self._fit_cache()
+
+    def _drop_deflection(self, job: Job) -> None:
+        """A deflected job leaves before its prefill ended: its KV so far (its hit once a chunk ran) and its
+        reservation go."""
+        self.kv_tokens -= job.prefilled_tokens + (job.cached_tokens if job.prefilled_tokens else 0)
+        self.reserved_tokens -= job.prompt_tokens + job.output_tokens
+        self.num_cached -= job.cached_tokens > 0
+        _release(self.cache, job)
+        self._fit_cache()
+
+    def _fit_cache(self) -> None:
+        """Evict free cached blocks beyond the KV the node's jobs leave."""
+        cache = self.cache
+        if cache is not None and cache.free_blocks:
+            cache.trim((self.kv_capacity_tokens - self.used_kv_tokens) // cache.block_tokens)
 
     def begin_step(self, now: float) -> tuple[int, int, int] | None:
         """Admit waiting jobs; (B, K, chunk) of the next step, or None (idle); sets ``prefix_tokens``."""
@@ -197,12 +324,15 @@ class DecodeNode:
         while self.waiting and self.running < self.max_batch_size:
             job = self.waiting[0]
             need = job.prompt_tokens + job.output_tokens
-            if self.reserved_tokens + need > self.kv_capacity_tokens and self.running:
+            if self.used_kv_tokens + need > self.kv_capacity_tokens and self.running:
                 break  # wait for KV to free up (an idle node always takes it: nothing else will free KV)
             self.waiting.popleft()
             self.reserved_tokens += need
             self.running += 1
             self.kv_tokens += job.prompt_tokens
+            if self.cache is not None and job.block_hashes:
+                _hold_through(self.cache, job, job.prompt_tokens)  # the prompt's KV has arrived
+                self._fit_cache()
             job.join_step = step
             job.last_step = step + job.output_tokens - 1
             heapq.heappush(self.finishing, (job.last_step, job.request_id, job))
@@ -213,13 +343,18 @@ class DecodeNode:
             if head.next_chunk == 0:
                 head.prefill_start_s = now
             planned = head.schedule[head.next_chunk]
-            prefix = head.prefilled_tokens
-            self.chunk = planned if self.guard is None else self.guard(self.running, self.kv_tokens, planned, prefix)
+            prefix = head.cached_tokens + head.prefilled_tokens
+            # its cached prefix joins the resident KV with its first chunk
+            kv_tokens = self.kv_tokens if head.prefilled_tokens else self.kv_tokens + head.cached_tokens
+            self.chunk = planned if self.guard is None else self.guard(self.running, kv_tokens, planned, prefix)
             self.prefix_tokens = prefix if self.chunk else 0
             if 0 < self.chunk < planned:
                 i = head.next_chunk
                 head.schedule = (*head.schedule[:i], self.chunk, planned - self.chunk, *head.schedule[i + 1 :])
-        if not self.running and not self.chunk:
+            if self.chunk:
+                self.busy = True
+                return self.running, kv_tokens, self.chunk
+        if not self.running:
             self.busy = False
             return None
         self.busy = True
@@ -240,11 +375,16 @@ class DecodeNode:
         finished.clear()
         if self.deflections and self.chunk:
             head = self.deflections[0]
+            if not head.prefilled_tokens:
+                self.kv_tokens += head.cached_tokens
             head.next_chunk += 1
             head.prefilled_tokens += self.chunk
             self.kv_tokens += self.chunk
             if head.next_chunk == len(head.schedule):
                 self.deflections.popleft()
+                if self.cache is not None and head.block_hashes:
+                    self.num_cached -= head.cached_tokens > 0
+                    _hold_through(self.cache, head, head.prompt_tokens)
                 head.prefill_end_s = head.first_token_s = now
                 head.join_step = step + 1
                 head.last_step = step + head.output_tokens - 1
@@ -267,3 +407,8 @@ class DecodeNode:
         self.kv_tokens -= job.prompt_tokens + max(0, job.last_step - job.join_step + 1)
         self.reserved_tokens -= job.prompt_tokens + job.output_tokens
         self.finished.append(job)
+        if self.cache is not None and job.block_hashes:
+            # the KV of all its tokens but the last generated one stays cached: its prompt and its answer
+            _hold_through(self.cache, job, job.prompt_tokens + job.output_tokens - 1)
+            _release(self.cache, job)
+            self._fit_cache()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from kairos_ray.core import ClusterView, DecodeNodeView, PrefillNodeView, StepLatency, tbt_safe_schedule
+from kairos_ray.core import ClusterView, DecodeNodeView, PrefillNodeView, PrefixHits, StepLatency, tbt_safe_schedule
 
 MAX_CONTEXT_TOKENS = 32_768
 DECODE_KV_CAPACITY_TOKENS = 1_000_000
@@ -46,6 +46,14 @@ def random_view(
             DecodeNodeView(f"decode-{i}", batch_size, kv_tokens, DECODE_KV_CAPACITY_TOKENS - kv_tokens, committed)
         )
     return ClusterView(prefill, tuple(decode))
+
+
+def random_hits(rng: random.Random, view: ClusterView, prompt_tokens: int, block_tokens: int = 16) -> PrefixHits:
+    """What the nodes' caches might hold of a prompt: about half the nodes a random whole-block share of it
+    (a conversation's history, a shared system prompt), the others nothing."""
+    usable = (prompt_tokens - 1) // block_tokens
+    nodes = [n.node_id for n in view.prefill] + [n.node_id for n in view.decode]
+    return PrefixHits({node: rng.randint(0, usable) * block_tokens for node in nodes if rng.random() < 0.5})
 
 
 def burst_view() -> ClusterView:

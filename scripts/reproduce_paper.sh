@@ -4,10 +4,7 @@
 # KAIROS_PYTHON=/path/to/python runs with that interpreter (e.g. another checkout's .venv) instead of setting up .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [[ -z ${KAIROS_PYTHON:-} ]]; then
-    bash scripts/setup.sh
-fi
-python=${KAIROS_PYTHON:-.venv/bin/python}
+source scripts/kairos_python.sh
 out=${1:-docs/reproduction}
 for workload in lpld lphd hpld hphd bursty; do
     "$python" -m kairos_ray.cli sim --workload "$workload" --rps 1,2,4,6,8,10,12,16 \

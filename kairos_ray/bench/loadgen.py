@@ -45,6 +45,17 @@ from kairos_ray.workloads import Request, Workload
 # tokenizer knows, the shipped tiny model's 610-token vocabulary included.
 PROMPT_BASE, PROMPT_IDS = 100, 500
 
+
+def prompt_ids(request_id: int, tokens: int) -> list[int]:
+    """Request ``request_id``'s prompt of ``tokens`` ids: the cycle from an offset its id sets, its second id
+    the id's next digit, so that no two requests of a run (up to 250,000) begin alike and a server's prefix
+    cache finds nothing of one request's prompt in another's (the workloads carry no prefix identity)."""
+    ids = [PROMPT_BASE + (request_id + i) % PROMPT_IDS for i in range(tokens)]
+    if tokens > 1:
+        ids[1] = PROMPT_BASE + (request_id // PROMPT_IDS) % PROMPT_IDS
+    return ids
+
+
 RecordOrError = RequestRecord | str
 
 
@@ -92,7 +103,7 @@ def _tokens_per_event(counted: list[int], total: int | None) -> list[int]:
 async def _one(client: httpx.AsyncClient, model: str, rid: int, req: Request, start: float) -> RequestRecord | str:
     body = {
         "model": model,
-        "prompt": [PROMPT_BASE + i % PROMPT_IDS for i in range(req.prompt_tokens)],
+        "prompt": prompt_ids(rid, req.prompt_tokens),
         "max_tokens": req.output_tokens,
         "stream": True,
         "ignore_eos": True,
@@ -137,7 +148,10 @@ async def _one(client: httpx.AsyncClient, model: str, rid: int, req: Request, st
         ttft_s=stamps[0] - sent,
         finish_s=stamps[-1] - start,
         tbt_gaps_s=token_gaps(stamps, tokens),
-        **breakdown,
+        prefill_queue_s=breakdown["prefill_queue_s"],
+        prefill_exec_s=breakdown["prefill_exec_s"],
+        kv_transfer_s=breakdown["kv_transfer_s"],
+        decode_queue_s=breakdown["decode_queue_s"],
     )
 
 

@@ -13,6 +13,7 @@ from kairos_ray.core.estimate import (
 )
 from kairos_ray.core.latency import FEATURE_NAMES, StepLatency, StepLatencyModel, StepwiseLatency, features
 from kairos_ray.core.policy import POLICIES, Guard, Policy, PolicyParams, Thresholds, make_policy, parse_spec
+from kairos_ray.core.prefix import BlockCache, BlockHash, PrefixHits, block_hashes
 from kairos_ray.core.state import ClusterView, Decision, DecodeNodeView, PrefillNodeView, Route, apply_decision
 from kairos_ray.core.sweep import tbt_safe_schedule
 
@@ -20,6 +21,8 @@ __all__ = [
     "FEATURE_NAMES",
     "POLICIES",
     "PREFILL_ESTIMATORS",
+    "BlockCache",
+    "BlockHash",
     "ClusterView",
     "Decision",
     "DecodeNodeView",
@@ -27,12 +30,14 @@ __all__ = [
     "Policy",
     "PolicyParams",
     "PrefillNodeView",
+    "PrefixHits",
     "Route",
     "StepLatency",
     "StepLatencyModel",
     "StepwiseLatency",
     "Thresholds",
     "apply_decision",
+    "block_hashes",
     "decode_ttft_s",
     "features",
     "make_policy",

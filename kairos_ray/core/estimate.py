@@ -1,4 +1,4 @@
-"""TTFT estimates on both paths: prefill node (Eq. 1-2) and decode node (Eq. 6).
+"""TTFT estimates on both paths: prefill node (Eq. 1-2) and decode node (Eq. 6), with cached prefixes.
 
 Two prefill-node estimators, selected by ``PREFILL_ESTIMATORS[name]``:
 
@@ -22,6 +22,14 @@ cost per queued request.
 Decode path (Eq. 6): TTFT_dec = sum_i T_step(B_n, K_n + P_i, chi_i, P_i) with
 P_i = sum_{j<i} chi_j, each chunk's own prefix, after the steps that
 deflections already committed to the node still occupy.
+
+Cached prefixes (``core.prefix``): a node computes only what its cache does
+not hold. A request with ``cached_tokens`` of its prompt cached on the node is
+priced as its uncached suffix whose chunks start from that context (P_1 =
+cached_tokens, and the cached KV is resident: K grows by it); the queue
+ahead is priced the same way from each queued request's cached context
+(``PrefillNodeView.context_tokens``, ``DecodeNodeView.committed_cached_tokens``).
+With nothing cached every formula is the paper's.
 """
 
 from __future__ import annotations
@@ -33,18 +41,28 @@ from kairos_ray.core.latency import StepLatency
 from kairos_ray.core.state import DecodeNodeView, PrefillNodeView
 
 
-def queue_wait_paper_s(model: StepLatency, queued_tokens: int, chunk_tokens: int) -> float:
-    """Eq. 2: W_queue = (S / chi_p) * T_step(chi_p, S / 2), on a prefill node (B = 0), S / 2 cached (K = P)."""
+def queue_wait_paper_s(model: StepLatency, queued_tokens: int, chunk_tokens: int, cached_tokens: int = 0) -> float:
+    """Eq. 2: W_queue = (S / chi_p) * T_step(chi_p, S / 2), on a prefill node (B = 0), S / 2 cached (K = P).
+
+    ``cached_tokens`` of context before the S tokens (a cached prefix) add to the context of every step.
+    """
     if queued_tokens <= 0:
         return 0.0
-    cached = queued_tokens / 2
-    return queued_tokens / chunk_tokens * model.step_s(0, cached, chunk_tokens, cached)
+    context = cached_tokens + queued_tokens / 2
+    return queued_tokens / chunk_tokens * model.step_s(0, context, chunk_tokens, context)
 
 
-def prefill_ttft_paper_s(model: StepLatency, node: PrefillNodeView, prompt_tokens: int, chunk_tokens: int) -> float:
-    """Eq. 1 with Eq. 2: W_queue(r) + T_pf(r), T_pf priced like a queue holding only r."""
+def prefill_ttft_paper_s(
+    model: StepLatency, node: PrefillNodeView, prompt_tokens: int, chunk_tokens: int, cached_tokens: int = 0
+) -> float:
+    """Eq. 1 with Eq. 2: W_queue(r) + T_pf(r), T_pf priced like a queue holding only r's uncached suffix.
+
+    The queue's S counts the tokens its requests still have to compute (the
+    node reports them uncached); r's suffix drains from its cached context on.
+    """
     queued = sum(node.queued_prompt_tokens)
-    return queue_wait_paper_s(model, queued, chunk_tokens) + queue_wait_paper_s(model, prompt_tokens, chunk_tokens)
+    own_s = queue_wait_paper_s(model, prompt_tokens - cached_tokens, chunk_tokens, cached_tokens)
+    return queue_wait_paper_s(model, queued, chunk_tokens) + own_s
 
 
 def chunked_prefill_s(model: StepLatency, prompt_tokens: int, context_tokens: int, chunk_tokens: int) -> float:
@@ -61,8 +79,12 @@ def chunked_prefill_s(model: StepLatency, prompt_tokens: int, context_tokens: in
 
 
 def queue_wait_exact_s(model: StepLatency, node: PrefillNodeView, chunk_tokens: int) -> float:
-    """W_queue walked request by request: every queued prompt in chunks, the head from its cached context."""
+    """W_queue walked request by request: every queued prompt in chunks, each from its context in KV."""
     seconds = 0.0
+    if node.queued_cached_tokens:
+        for index, tokens in enumerate(node.queued_prompt_tokens):
+            seconds += chunked_prefill_s(model, tokens, node.context_tokens(index), chunk_tokens)
+        return seconds
     context = node.head_prefilled_tokens
     for tokens in node.queued_prompt_tokens:
         seconds += chunked_prefill_s(model, tokens, context, chunk_tokens)
@@ -70,12 +92,16 @@ def queue_wait_exact_s(model: StepLatency, node: PrefillNodeView, chunk_tokens: 
     return seconds
 
 
-def prefill_ttft_exact_s(model: StepLatency, node: PrefillNodeView, prompt_tokens: int, chunk_tokens: int) -> float:
-    """Eq. 1 with the queue walked request by request: every queued prompt, then r itself."""
-    return queue_wait_exact_s(model, node, chunk_tokens) + chunked_prefill_s(model, prompt_tokens, 0, chunk_tokens)
+def prefill_ttft_exact_s(
+    model: StepLatency, node: PrefillNodeView, prompt_tokens: int, chunk_tokens: int, cached_tokens: int = 0
+) -> float:
+    """Eq. 1 with the queue walked request by request: every queued prompt, then r's uncached suffix."""
+    own_s = chunked_prefill_s(model, prompt_tokens - cached_tokens, cached_tokens, chunk_tokens)
+    return queue_wait_exact_s(model, node, chunk_tokens) + own_s
 
 
-PrefillEstimator = Callable[[StepLatency, PrefillNodeView, int, int], float]
+PrefillEstimator = Callable[[StepLatency, PrefillNodeView, int, int, int], float]
+"""(model, node, prompt tokens, chi_p, prompt tokens the node has cached) -> TTFT_pf seconds."""
 PrefillEstimatorName = Literal["exact", "paper"]
 
 PREFILL_ESTIMATORS: dict[str, PrefillEstimator] = {
@@ -129,15 +155,20 @@ def after_committed(model: StepLatency, node: DecodeNodeView) -> tuple[float, in
     Committed deflections run one after another (one deflected prefill per
     step keeps each step's cost what Eq. 5 checked); each joins the decode
     batch when its prefill ends. The first may be under way: its chunks start
-    from the prefix it has prefilled.
+    from the prefix it has prefilled. Each starts from its cached prefix,
+    whose KV joins K when its first chunk runs.
     """
     seconds = 0.0
     batch_size, kv_tokens = node.batch_size, node.kv_tokens
     if not node.committed:
         return seconds, batch_size, kv_tokens
+    cached = node.committed_cached_tokens
     prefix = node.head_prefilled_tokens
-    for schedule in node.committed:
-        seconds += decode_ttft_s(model, batch_size, kv_tokens, schedule, prefix)
+    for index, schedule in enumerate(node.committed):
+        hit = cached[index] if index < len(cached) else 0
+        if not prefix:  # not under way: its cached KV is not in K yet
+            kv_tokens += hit
+        seconds += decode_ttft_s(model, batch_size, kv_tokens, schedule, prefix + hit)
         batch_size += 1
         kv_tokens += sum(schedule)
         prefix = 0

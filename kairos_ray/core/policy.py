@@ -1,4 +1,4 @@
-"""Routing policies behind one interface, ``decide(prompt_tokens, view) -> Decision``.
+"""Routing policies behind one interface, ``decide(prompt_tokens, view, hits) -> Decision``.
 
 - ``kairos``: Algorithm 1. Estimate TTFT on the best prefill node (Eq. 1-2);
   for every decode node with KV room, build the LargestSafe schedule (Eq. 5)
@@ -23,17 +23,30 @@ the simulator, the Serve router and the CLI share them. A policy says whether
 decode nodes re-check each planned chunk when it runs (``guards_chunks``, Eq.
 5 at run time) and hands out that check (``chunk_guard``), built from the
 model it decides with.
+
+Prefix-aware (``PolicyParams.prefix_aware``, or a spec ending in ``+prefix``;
+``+blind`` turns it off): given ``PrefixHits``, the leading prompt tokens each
+node's cache holds (``core.prefix``), every estimate prices only a node's
+uncached suffix from the cached context (Eq. 1-2 on prefill nodes; Eq. 5's
+schedule and Eq. 6 on decode nodes), a deflection needs KV room for that
+suffix only, ``sl`` compares its threshold with the smallest suffix on a
+decode node, and a prefill-routed request goes to the decode node with the
+most KV headroom once it holds the request, the blocks a node holds already
+counting as room (they need none, nor a transfer). alpha and beta are
+unchanged. A cache-blind policy ignores ``hits``: it prices the whole prompt
+everywhere.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from kairos_ray.core.estimate import PREFILL_ESTIMATORS, PrefillEstimatorName, after_committed, runs_s
 from kairos_ray.core.latency import StepLatency
+from kairos_ray.core.prefix import PrefixHits
 from kairos_ray.core.state import ClusterView, Decision, DecodeNodeView, PrefillNodeView, Route
 from kairos_ray.core.sweep import Runs, expand, largest_safe_chunk, largest_safe_runs
 
@@ -49,6 +62,7 @@ class PolicyParams:
     beta: float = 0.9  # TBT safety factor: steps must fit beta * tau
     prefill_estimator: PrefillEstimatorName = "exact"  # key of PREFILL_ESTIMATORS
     static_chunk_tokens: int = 512  # fixed chunk of the sq/sl baselines
+    prefix_aware: bool = True  # price only each node's uncached suffix, given PrefixHits (module docstring)
 
     @property
     def tbt_budget_s(self) -> float:
@@ -79,8 +93,8 @@ class Policy(Protocol):
     guards_chunks: bool  # decode nodes re-check each planned chunk when it runs (Eq. 5 at run time)
     decides_with_ground_truth: bool  # the caller must pass the emulator's ground truth as the model
 
-    def decide(self, prompt_tokens: int, view: ClusterView) -> Decision:
-        """Route one request of ``prompt_tokens`` tokens given the current view."""
+    def decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None = None) -> Decision:
+        """Route one request of ``prompt_tokens`` tokens given the current view and, if known, its prefix hits."""
         ...
 
     def chunk_guard(self) -> Guard | None:
@@ -97,16 +111,27 @@ class Thresholds:
 
 
 @dataclass(frozen=True, slots=True)
+class _PrefillOption:
+    """The best prefill node for one request."""
+
+    node: PrefillNodeView
+    ttft_s: float  # Eq. 1
+    cached_tokens: int  # prompt tokens the node's cache holds (as priced)
+
+
+@dataclass(frozen=True, slots=True)
 class _DecodeOption:
     """A priced deflection onto one decode node."""
 
     node: DecodeNodeView
     ttft_s: float
-    runs: Runs
+    runs: Runs  # the schedule of the uncached suffix
+    cached_tokens: int  # prompt tokens the node's cache holds (as priced)
 
 
-Planner = Callable[[int, int, float], "tuple[Runs, float] | None"]
-"""(B, K, limit_s) -> (runs, Eq. 6 seconds), or None if infeasible or slower than limit_s."""
+Planner = Callable[[int, int, float, int], "tuple[Runs, float] | None"]
+"""(B, K, limit_s, cached prompt tokens) -> (runs of the uncached suffix, Eq. 6 seconds),
+or None if infeasible or slower than limit_s."""
 
 
 class _BasePolicy:
@@ -145,7 +170,7 @@ class _BasePolicy:
     def _configure(self, arg: str | None, thresholds: Thresholds) -> None:
         """Take the spec's argument; policies without one have nothing to take."""
 
-    def decide(self, prompt_tokens: int, view: ClusterView) -> Decision:
+    def decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None = None) -> Decision:
         if prompt_tokens < 1:
             raise ValueError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
         if not view.prefill or not view.decode:
@@ -153,63 +178,97 @@ class _BasePolicy:
                 f"cluster view needs at least one prefill and one decode node, "
                 f"has {len(view.prefill)} prefill and {len(view.decode)} decode"
             )
-        return self._decide(prompt_tokens, view)
+        return self._decide(prompt_tokens, view, hits if self.params.prefix_aware else None)
 
-    def _decide(self, prompt_tokens: int, view: ClusterView) -> Decision:
+    def _decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> Decision:
+        """Decide with ``hits`` None when cache-blind."""
         raise NotImplementedError
 
     def chunk_guard(self) -> Guard | None:
         return chunk_guard(self.decode_model, self.params) if self.guards_chunks else None
 
-    def _best_prefill(self, prompt_tokens: int, view: ClusterView) -> tuple[PrefillNodeView, float]:
+    def _best_prefill(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> _PrefillOption:
         """Prefill node with the least estimated TTFT for this request (Eq. 1)."""
         chunk = self.params.prefill_chunk_tokens
-        best, best_s = view.prefill[0], math.inf
+        best, best_s, best_cached = view.prefill[0], math.inf, 0
         for node in view.prefill:
-            seconds = self._estimate(self.prefill_model, node, prompt_tokens, chunk)
+            cached = hits.at(node.node_id) if hits else 0
+            seconds = self._estimate(self.prefill_model, node, prompt_tokens, chunk, cached)
             if seconds < best_s:
-                best, best_s = node, seconds
-        return best, best_s
+                best, best_s, best_cached = node, seconds, cached
+        return _PrefillOption(best, best_s, best_cached)
 
     def _fastest_deflection(
-        self, prompt_tokens: int, view: ClusterView, plan: Planner
+        self, prompt_tokens: int, view: ClusterView, plan: Planner, hits: PrefixHits | None
     ) -> tuple[_DecodeOption | None, int, int]:
         """Fastest decode option under ``plan``; also counts the nodes short of KV and the infeasible ones."""
         best: _DecodeOption | None = None
         lacking_kv = infeasible = 0
         for node in view.decode:
-            if node.headroom_kv_tokens < prompt_tokens:
+            cached = hits.at(node.node_id) if hits else 0
+            if node.headroom_kv_tokens < prompt_tokens - cached:
                 lacking_kv += 1
                 continue
             wait_s, batch_size, kv_tokens = after_committed(self.decode_model, node)
             limit_s = math.inf if best is None else best.ttft_s - wait_s
             if limit_s <= 0.0:
                 continue  # already slower than the best before its own first step
-            found = plan(batch_size, kv_tokens, limit_s)
+            found = plan(batch_size, kv_tokens, limit_s, cached)
             if found is None:
                 # Only exact while no node is feasible yet, which is when the count is reported.
                 infeasible += 1
                 continue
             runs, seconds = found
             if best is None or wait_s + seconds < best.ttft_s:
-                best = _DecodeOption(node, wait_s + seconds, runs)
+                best = _DecodeOption(node, wait_s + seconds, runs, cached)
         return best, lacking_kv, infeasible
 
     @staticmethod
-    def _most_headroom(view: ClusterView) -> DecodeNodeView:
-        """Decode node for a disaggregated request: most KV headroom, then smallest batch."""
-        return max(view.decode, key=lambda n: (n.headroom_kv_tokens, -n.batch_size))
+    def _handoff_target(view: ClusterView, hits: PrefixHits | None) -> DecodeNodeView:
+        """Decode node for a disaggregated request: most KV headroom once it holds the request, then smallest
+        batch.
+
+        Prefix-aware, the blocks a node holds already need no room there (and no transfer): a node holding
+        the prompt wins while it is loaded by less than the tokens it holds, so conversations stay with
+        their history without piling onto one node (which preferring the holder outright does: every
+        request shares the system prompt, and the first node to hold it would take them all).
+        """
+        if hits is None:
+            return max(view.decode, key=lambda n: (n.headroom_kv_tokens, -n.batch_size))
+        return max(view.decode, key=lambda n: (n.headroom_kv_tokens + hits.at(n.node_id), -n.batch_size))
 
     def _to_prefill(
-        self, view: ClusterView, prefill: PrefillNodeView, ttft_pf_s: float, ttft_dec_s: float | None, reason: str
+        self,
+        view: ClusterView,
+        hits: PrefixHits | None,
+        prefill: _PrefillOption,
+        ttft_dec_s: float | None,
+        reason: str,
     ) -> Decision:
+        decode = self._handoff_target(view, hits)
         return Decision(
-            Route.PREFILL, prefill.node_id, self._most_headroom(view).node_id, (), ttft_pf_s, ttft_dec_s, reason
+            Route.PREFILL,
+            prefill.node.node_id,
+            decode.node_id,
+            (),
+            prefill.ttft_s,
+            ttft_dec_s,
+            reason,
+            prefill.cached_tokens,
         )
 
     @staticmethod
     def _to_decode(option: _DecodeOption, ttft_pf_s: float, reason: str) -> Decision:
-        return Decision(Route.DEFLECT, None, option.node.node_id, expand(option.runs), ttft_pf_s, option.ttft_s, reason)
+        return Decision(
+            Route.DEFLECT,
+            None,
+            option.node.node_id,
+            expand(option.runs),
+            ttft_pf_s,
+            option.ttft_s,
+            reason,
+            option.cached_tokens,
+        )
 
 
 class KairosPolicy(_BasePolicy):
@@ -218,30 +277,33 @@ class KairosPolicy(_BasePolicy):
     spec = "kairos"
     guards_chunks = True
 
-    def _decide(self, prompt_tokens: int, view: ClusterView) -> Decision:
+    def _decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> Decision:
         params = self.params
-        prefill, ttft_pf = self._best_prefill(prompt_tokens, view)
+        prefill = self._best_prefill(prompt_tokens, view, hits)
+        ttft_pf = prefill.ttft_s
         option, lacking_kv, infeasible = self._fastest_deflection(
             prompt_tokens,
             view,
-            lambda batch_size, kv_tokens, limit_s: largest_safe_runs(
+            lambda batch_size, kv_tokens, limit_s, cached: largest_safe_runs(
                 self.decode_model,
                 batch_size,
                 kv_tokens,
-                prompt_tokens,
+                prompt_tokens - cached,
                 params.chunk_candidates,
                 params.tbt_budget_s,
                 limit_s,
+                cached,
             ),
+            hits,
         )
         if option is None:
             reason = f"no TBT-safe decode node ({infeasible} infeasible, {lacking_kv} short of KV)"
-            return self._to_prefill(view, prefill, ttft_pf, None, reason)
+            return self._to_prefill(view, hits, prefill, None, reason)
         if params.alpha * option.ttft_s < ttft_pf:
             reason = f"decode {option.ttft_s:.3f}s x alpha {params.alpha:g} < prefill {ttft_pf:.3f}s"
             return self._to_decode(option, ttft_pf, reason)
         reason = f"decode {option.ttft_s:.3f}s x alpha {params.alpha:g} >= prefill {ttft_pf:.3f}s"
-        return self._to_prefill(view, prefill, ttft_pf, option.ttft_s, reason)
+        return self._to_prefill(view, hits, prefill, option.ttft_s, reason)
 
 
 class OraclePolicy(KairosPolicy):
@@ -256,37 +318,38 @@ class PDPolicy(_BasePolicy):
 
     spec = "pd"
 
-    def _decide(self, prompt_tokens: int, view: ClusterView) -> Decision:
-        prefill, ttft_pf = self._best_prefill(prompt_tokens, view)
-        return self._to_prefill(view, prefill, ttft_pf, None, "pd never deflects")
+    def _decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> Decision:
+        prefill = self._best_prefill(prompt_tokens, view, hits)
+        return self._to_prefill(view, hits, prefill, None, "pd never deflects")
 
 
 class _StaticPolicy(_BasePolicy):
     """A threshold baseline: when ``_wants_deflection``, deflect in fixed chunks with no TBT check."""
 
-    def _wants_deflection(self, prompt_tokens: int, view: ClusterView) -> tuple[bool, str]:
+    def _wants_deflection(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> tuple[bool, str]:
         raise NotImplementedError
 
-    def _decide(self, prompt_tokens: int, view: ClusterView) -> Decision:
-        prefill, ttft_pf = self._best_prefill(prompt_tokens, view)
-        wants, why = self._wants_deflection(prompt_tokens, view)
+    def _decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> Decision:
+        prefill = self._best_prefill(prompt_tokens, view, hits)
+        wants, why = self._wants_deflection(prompt_tokens, view, hits)
         if not wants:
-            return self._to_prefill(view, prefill, ttft_pf, None, why)
+            return self._to_prefill(view, hits, prefill, None, why)
         chunk = self.params.static_chunk_tokens
-        full, rest = divmod(prompt_tokens, chunk)
-        fixed: Runs = [(chunk, full)] if full else []
-        if rest:
-            fixed.append((rest, 1))
         model = self.decode_model
 
-        def plan(batch_size: int, kv_tokens: int, limit_s: float) -> tuple[Runs, float] | None:
-            seconds = runs_s(model, batch_size, kv_tokens, fixed)
+        def plan(batch_size: int, kv_tokens: int, limit_s: float, cached: int) -> tuple[Runs, float] | None:
+            full, rest = divmod(prompt_tokens - cached, chunk)
+            fixed: Runs = [(chunk, full)] if full else []
+            if rest:
+                fixed.append((rest, 1))
+            seconds = runs_s(model, batch_size, kv_tokens + cached, fixed, cached)
             return (fixed, seconds) if seconds < limit_s else None
 
-        option, lacking_kv, _ = self._fastest_deflection(prompt_tokens, view, plan)
+        option, lacking_kv, _ = self._fastest_deflection(prompt_tokens, view, plan, hits)
         if option is None:
-            return self._to_prefill(view, prefill, ttft_pf, None, f"{why}, but {lacking_kv} decode nodes short of KV")
-        return self._to_decode(option, ttft_pf, why)
+            reason = f"{why}, but {lacking_kv} decode nodes short of KV"
+            return self._to_prefill(view, hits, prefill, None, reason)
+        return self._to_decode(option, prefill.ttft_s, why)
 
 
 class _ThresholdPolicy(_StaticPolicy):
@@ -317,7 +380,7 @@ class SQPolicy(_ThresholdPolicy):
     name = "sq"
     threshold_field = "sq_queued_requests"
 
-    def _wants_deflection(self, prompt_tokens: int, view: ClusterView) -> tuple[bool, str]:
+    def _wants_deflection(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> tuple[bool, str]:
         shortest = min(node.num_queued for node in view.prefill)
         if shortest >= self.threshold:
             return True, f"shortest prefill queue {shortest} >= {self.threshold}"
@@ -325,15 +388,18 @@ class SQPolicy(_ThresholdPolicy):
 
 
 class SLPolicy(_ThresholdPolicy):
-    """SL(l): deflect every prompt of at most l tokens."""
+    """SL(l): deflect every prompt of at most l tokens; prefix-aware, every prompt whose uncached suffix
+    on some decode node is at most l tokens (llm-d's prefix-based P/D decider)."""
 
     name = "sl"
     threshold_field = "sl_prompt_tokens"
 
-    def _wants_deflection(self, prompt_tokens: int, view: ClusterView) -> tuple[bool, str]:
-        if prompt_tokens <= self.threshold:
-            return True, f"prompt {prompt_tokens} <= {self.threshold} tokens"
-        return False, f"prompt {prompt_tokens} > {self.threshold} tokens"
+    def _wants_deflection(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> tuple[bool, str]:
+        cached = max(hits.at(n.node_id) for n in view.decode) if hits else 0
+        what, tokens = ("uncached suffix", prompt_tokens - cached) if cached else ("prompt", prompt_tokens)
+        if tokens <= self.threshold:
+            return True, f"{what} {tokens} <= {self.threshold} tokens"
+        return False, f"{what} {tokens} > {self.threshold} tokens"
 
 
 POLICIES: dict[str, type[_BasePolicy]] = {
@@ -343,18 +409,34 @@ POLICIES: dict[str, type[_BasePolicy]] = {
     "sq": SQPolicy,
     "sl": SLPolicy,
 }
-"""Registry: spec name -> policy class. A spec is ``name`` or ``name:threshold``."""
+"""Registry: spec name -> policy class. A spec is ``name`` or ``name:threshold``, then ``+prefix`` or ``+blind``."""
+
+PREFIX_MODES: dict[str, bool] = {"+prefix": True, "+blind": False}
+"""Spec suffixes that set ``PolicyParams.prefix_aware`` for one policy (without one, the params decide)."""
+
+
+def prefix_mode(spec: str) -> tuple[str, str]:
+    """(spec without its prefix-mode suffix, that suffix or "")."""
+    text = spec.strip()
+    for suffix in PREFIX_MODES:
+        if text.lower().endswith(suffix):
+            return text[: -len(suffix)], suffix
+    return text, ""
 
 
 def parse_spec(spec: str) -> tuple[type[_BasePolicy], str | None]:
-    """Split and check a spec string (``kairos``, ``oracle``, ``pd``, ``sq:<theta>``, ``sl:<tokens>``).
+    """Split and check a spec string (``kairos``, ``oracle``, ``pd``, ``sq:<theta>``, ``sl:<tokens>``,
+    each optionally followed by ``+prefix`` or ``+blind``).
 
     Raises ``ValueError`` naming the accepted forms for an unknown name or a bad threshold.
     """
-    name, sep, arg = spec.strip().partition(":")
+    name, sep, arg = prefix_mode(spec)[0].partition(":")
     cls = POLICIES.get(name.lower())
     if cls is None:
-        raise ValueError(f"unknown policy {spec!r}; known: kairos, oracle, pd, sq:<theta>, sl:<tokens>")
+        raise ValueError(
+            f"unknown policy {spec!r}; known: kairos, oracle, pd, sq:<theta>, sl:<tokens>, "
+            "each optionally +prefix or +blind"
+        )
     cls.check_arg(arg if sep else None)
     return cls, arg if sep else None
 
@@ -368,11 +450,17 @@ def make_policy(
 ) -> Policy:
     """Build the policy a spec string names; see ``parse_spec``.
 
-    ``decode_model`` defaults to ``prefill_model`` (same hardware, as in the paper).
+    ``decode_model`` defaults to ``prefill_model`` (same hardware, as in the paper). A ``+prefix`` or
+    ``+blind`` suffix overrides ``params.prefix_aware`` and stays in the policy's ``spec``.
     """
     cls, arg = parse_spec(spec)
     if params.prefill_estimator not in PREFILL_ESTIMATORS:
         raise ValueError(
             f"unknown prefill estimator {params.prefill_estimator!r}; known: {', '.join(PREFILL_ESTIMATORS)}"
         )
-    return cls.build(arg, thresholds, params, prefill_model, decode_model or prefill_model)
+    suffix = prefix_mode(spec)[1]
+    if suffix:
+        params = replace(params, prefix_aware=PREFIX_MODES[suffix])
+    policy = cls.build(arg, thresholds, params, prefill_model, decode_model or prefill_model)
+    policy.spec += suffix
+    return policy

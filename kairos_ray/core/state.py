@@ -5,6 +5,12 @@ returns a ``Decision``; it never mutates state. ``apply_decision`` is the
 router's ledger step: it returns the view as it will be once the decision is
 dispatched, so a burst of requests sees its own earlier decisions at once
 (Algorithm 1 is evaluated per queued request against the current state).
+
+With prefix caching a node computes only the part of a prompt its cache does
+not hold: queued prompts and committed schedules count uncached tokens, and
+``queued_cached_tokens`` / ``committed_cached_tokens`` give the cached
+context each one starts from (the first chunk's own prefix P in Eq. 4). Both
+are empty when nothing cached is queued, so a cold view is what it always was.
 """
 
 from __future__ import annotations
@@ -26,7 +32,13 @@ class PrefillNodeView:
 
     node_id: str
     queued_prompt_tokens: tuple[int, ...] = ()  # prompt tokens still to prefill per queued request, FIFO order
-    head_prefilled_tokens: int = 0  # tokens of the head request already prefilled (its cached context)
+    head_prefilled_tokens: int = 0  # tokens of the head request prefilled here so far, beyond its cache hit
+    queued_cached_tokens: tuple[int, ...] = ()  # per queued request, its prompt tokens the cache held; () if none
+
+    def context_tokens(self, index: int) -> int:
+        """Tokens of queued request ``index``'s prompt already in KV: its first chunk's own prefix."""
+        cached = self.queued_cached_tokens[index] if index < len(self.queued_cached_tokens) else 0
+        return cached + self.head_prefilled_tokens if index == 0 else cached
 
     @property
     def num_queued(self) -> int:
@@ -43,6 +55,9 @@ class DecodeNodeView:
     free_kv_tokens: int  # KV capacity not yet used, in tokens
     committed: tuple[tuple[int, ...], ...] = ()  # remaining chunk schedules of deflections in flight, run order
     head_prefilled_tokens: int = 0  # prompt tokens the first committed deflection has prefilled (its chunks' prefix)
+    # per committed deflection, its prompt tokens this node's cache held (() if none); they join kv_tokens with
+    # the deflection's first chunk, so K counts the head's once head_prefilled_tokens > 0
+    committed_cached_tokens: tuple[int, ...] = ()
 
     @property
     def committed_tokens(self) -> int:
@@ -74,6 +89,7 @@ class Decision:
     ttft_prefill_s: float | None  # estimated TTFT on the best prefill node (Eq. 1), None without prefill nodes
     ttft_decode_s: float | None  # estimated TTFT on the chosen/best decode node (Eq. 6), None if none feasible
     reason: str  # short, human-readable
+    cached_prompt_tokens: int = 0  # prompt tokens the prefilling node holds (priced as cached; 0 if cache-blind)
 
     @property
     def deflected(self) -> bool:
@@ -83,15 +99,24 @@ class Decision:
 def apply_decision(view: ClusterView, prompt_tokens: int, decision: Decision, output_tokens: int = 0) -> ClusterView:
     """The view after ``decision`` is dispatched, before any engine reports back.
 
-    A prefill-routed request joins the tail of its prefill node's FIFO; a
-    deflected one commits its chunk schedule to its decode node, behind the
-    deflections already there, and reserves KV for its ``output_tokens`` there
-    at once (its prompt's KV is the schedule itself), as a decode node does
-    when it takes the request.
+    A prefill-routed request joins the tail of its prefill node's FIFO with
+    the tokens its cache does not hold; a deflected one commits its chunk
+    schedule (the uncached suffix) to its decode node, behind the deflections
+    already there, and reserves KV for its ``output_tokens`` there at once
+    (its new prompt KV is the schedule itself), as a decode node does when it
+    takes the request. The cached prefix (``decision.cached_prompt_tokens``)
+    is charged nowhere: it is in the node's cache already, so charging it
+    would count it twice. A hit on blocks no request holds takes them off the
+    node's free list; the node's next report shows that.
     """
+    cached = decision.cached_prompt_tokens
     if decision.route is Route.PREFILL:
         prefill = tuple(
-            replace(node, queued_prompt_tokens=(*node.queued_prompt_tokens, prompt_tokens))
+            replace(
+                node,
+                queued_prompt_tokens=(*node.queued_prompt_tokens, prompt_tokens - cached),
+                queued_cached_tokens=_appended(node.queued_cached_tokens, len(node.queued_prompt_tokens), cached),
+            )
             if node.node_id == decision.prefill_node
             else node
             for node in view.prefill
@@ -101,6 +126,7 @@ def apply_decision(view: ClusterView, prompt_tokens: int, decision: Decision, ou
         replace(
             node,
             committed=(*node.committed, decision.chunk_schedule),
+            committed_cached_tokens=_appended(node.committed_cached_tokens, len(node.committed), cached),
             free_kv_tokens=node.free_kv_tokens - output_tokens,
         )
         if node.node_id == decision.decode_node
@@ -108,3 +134,10 @@ def apply_decision(view: ClusterView, prompt_tokens: int, decision: Decision, ou
         for node in view.decode
     )
     return replace(view, decode=decode)
+
+
+def _appended(cached: tuple[int, ...], length: int, value: int) -> tuple[int, ...]:
+    """``cached`` (aligned with a queue of ``length``, () meaning all 0) with ``value`` for a new tail."""
+    if not value and not cached:
+        return ()
+    return (*cached, *(0,) * (length - len(cached)), value)

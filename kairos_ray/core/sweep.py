@@ -16,6 +16,11 @@ model with odd signs. The last chunk is only what is left of the prompt (a
 step with fewer tokens than the candidate), so sum(X) == l_r; it is checked at
 its real size.
 
+A prompt whose first ``prefix_tokens`` the node's cache already holds is
+scheduled for its uncached suffix only, P_1 = prefix_tokens: the chunks
+start from a long context (and its KV is resident, in K), so they are smaller
+than a cold prompt's and sum(X) is the suffix.
+
 Runs of equal chunks are counted and priced in closed form
 (``StepLatency.safe_steps``, ``StepLatency.run_s``), so a sweep costs
 O(number of candidates), not O(number of steps).
@@ -40,17 +45,20 @@ def largest_safe_runs(
     candidates: Sequence[int],
     tbt_budget_s: float,
     limit_s: float = math.inf,
+    prefix_tokens: int = 0,
 ) -> tuple[Runs, float] | None:
     """LargestSafe in run-length form with its Eq. 6 time, or None.
 
     None when some step has no safe candidate, or as soon as the time exceeds
     ``limit_s`` (a caller looking for the fastest node passes the best so far).
     ``candidates`` must be strictly decreasing; ``tbt_budget_s`` is beta * tau.
+    ``prompt_tokens`` are the tokens to compute, after ``prefix_tokens`` of
+    the request already in KV (a cached prefix; ``kv_tokens`` excludes them).
     """
     runs: Runs = []
     seconds = 0.0
     remaining = prompt_tokens
-    prefix = 0  # the request's tokens already scheduled: the next chunk's own prefix
+    prefix = prefix_tokens  # the request's tokens already in KV: the next chunk's own prefix
     for chunk in candidates:
         if chunk < remaining:
             full = remaining // chunk
@@ -89,12 +97,16 @@ def tbt_safe_schedule(
     prompt_tokens: int,
     candidates: Sequence[int],
     tbt_budget_s: float,
+    prefix_tokens: int = 0,
 ) -> tuple[int, ...] | None:
     """The greedy shrinking TBT-safe schedule X (Eq. 5), or None when the node is infeasible.
 
-    Every step of X satisfies Eq. 5, chunks never grow, and sum(X) == prompt_tokens.
+    Every step of X satisfies Eq. 5, chunks never grow, and sum(X) == prompt_tokens, the tokens to
+    compute after ``prefix_tokens`` already in KV (a cached prefix: the first chunk's own prefix).
     """
-    found = largest_safe_runs(model, batch_size, kv_tokens, prompt_tokens, candidates, tbt_budget_s)
+    found = largest_safe_runs(
+        model, batch_size, kv_tokens, prompt_tokens, candidates, tbt_budget_s, prefix_tokens=prefix_tokens
+    )
     return None if found is None else expand(found[0])
 
 

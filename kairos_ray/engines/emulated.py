@@ -242,7 +242,7 @@ class EmulatedEngine:
             raise RuntimeError(f"{self.node_id} is a {self.role} node")
         job = Job(next(self._job_ids), time.monotonic(), request.prompt_tokens, request.max_tokens)
         done = self._done[job.request_id] = asyncio.get_running_loop().create_future()
-        self.prefill_node.queue.append(job)
+        self.prefill_node.enqueue(job)
         self.reporter.accepted(request.request_id)
         self._wake.set()
         try:

@@ -99,5 +99,5 @@ def _shape(state: NodeState) -> tuple[object, ...]:
     """What a decision depends on beyond the KV's steady growth: queue, batch, commitments, health."""
     view = state.view
     if isinstance(view, PrefillNodeView):
-        return (view.queued_prompt_tokens, state.healthy)
-    return (view.batch_size, view.committed, state.num_waiting, state.healthy)
+        return (view.queued_prompt_tokens, view.queued_cached_tokens, state.healthy)
+    return (view.batch_size, view.committed, view.committed_cached_tokens, state.num_waiting, state.healthy)

@@ -25,8 +25,9 @@ Consumer (decode node): the engine writes the bytes it fetched from the
 object store under its own ``staging_dir`` and submits the request with
 those ``kv_transfer_params``. The connector claims the prompt's first ``n -
 1`` tokens as external (the last one is recomputed, so this node's own
-forward pass yields the first token), loads the blocks synchronously before
-the step's forward and deletes the file. A staged file that is missing
+forward pass yields the first token), less the leading ones this node's
+prefix cache holds already (whose staged blocks are skipped), loads the
+blocks synchronously before the step's forward and deletes the file. A staged file that is missing
 claims nothing (the request is recomputed from scratch); one that cannot be
 read or does not match reports its blocks as failed, and vLLM's
 ``kv_load_failure_policy: recompute`` recomputes them.
@@ -100,6 +101,7 @@ class _Transfer:
     path: str  # staged path prefix
     block_ids: list[int]
     req_id: str = ""
+    first_block: int = 0  # a load: the staged block that goes into block_ids[0] (the blocks before are cached)
 
 
 @dataclass
@@ -122,6 +124,7 @@ class KairosKVConnector(KVConnectorBase_V1):
         self._watched: dict[str, tuple[int, list[int]]] = {}  # producer: request id -> (prompt tokens, its blocks)
         self._staging: set[str] = set()  # producer: watched requests whose KV a step stages
         self._pending_loads: list[_Transfer] = []  # consumer: loads planned for the next step
+        self._local_hits: dict[str, int] = {}  # consumer: request id -> its own cached tokens, as vLLM gave them
         # worker side
         self._saving: dict[str, dict[str, torch.Tensor]] = {}  # path -> layer -> its blocks, this step
         self._failed_blocks: set[int] = set()
@@ -140,16 +143,21 @@ class KairosKVConnector(KVConnectorBase_V1):
             return 0, False
         # the last prompt token is recomputed here: its forward pass gives the first token
         staged = min(int(params.get(KV_TOKENS, 0)), len(request.prompt_token_ids or ())) - 1
+        # the external tokens follow this node's own prefix hit (block-aligned): remember where they start
+        self._local_hits[request.request_id] = num_computed_tokens
         return max(0, staged - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        # vLLM sets a new request's num_computed_tokens only after this call: the local hit is the one it gave
+        # get_num_new_matched_tokens
+        computed = self._local_hits.pop(request.request_id, 0)
         if num_external_tokens <= 0:
             return
         params = request.kv_transfer_params or {}
-        computed = request.num_computed_tokens  # local prefix hits, before the external tokens
         first = computed // self._block_size
         last = -(-(computed + num_external_tokens) // self._block_size)
-        self._pending_loads.append(_Transfer(str(params[KV_PATH]), list(blocks.get_block_ids()[0][first:last])))
+        ids = list(blocks.get_block_ids()[0][first:last])
+        self._pending_loads.append(_Transfer(str(params[KV_PATH]), ids, first_block=first))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KairosKVMetadata(loads=self._pending_loads)
@@ -183,6 +191,7 @@ class KairosKVConnector(KVConnectorBase_V1):
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._local_hits.pop(request.request_id, None)
         if self._watched.pop(request.request_id, None) is None:
             return False, None
         staged = request.request_id in self._staging
@@ -209,10 +218,12 @@ class KairosKVConnector(KVConnectorBase_V1):
                         continue
                     blocks = staged[name]
                     dim = _block_dim(kv, self._num_blocks)
-                    if blocks.shape[dim] < len(load.block_ids):
-                        raise ValueError(f"{blocks.shape[dim]} staged blocks, {len(load.block_ids)} needed")
+                    count = len(load.block_ids)
+                    if blocks.shape[dim] < load.first_block + count:
+                        raise ValueError(f"{blocks.shape[dim]} staged blocks, {load.first_block + count} needed")
                     index = torch.tensor(load.block_ids, dtype=torch.long, device=kv.device)
-                    kv.index_copy_(dim, index, blocks.narrow(dim, 0, len(load.block_ids)).to(kv.device, kv.dtype))
+                    staged_blocks = blocks.narrow(dim, load.first_block, count)
+                    kv.index_copy_(dim, index, staged_blocks.to(kv.device, kv.dtype))
             except (OSError, ValueError, KeyError, RuntimeError, pickle.UnpicklingError) as error:
                 # a file gone, short, of another shape or corrupt: vLLM recomputes the blocks
                 logger.warning(

@@ -19,6 +19,14 @@ within their bounds) is reported as ``slo_met``.
 
 ``tbt_violation_pct`` is the share of all TBT gaps, over all requests, longer
 than ``slo.tbt_s``.
+
+Prefix caching (where the records know it, as the simulator's do):
+``prefill_hit_pct`` and ``deflect_hit_pct`` are the shares of prompt tokens
+that the node computing the prompt found in its cache, over the requests of
+each route (the prefill node's cache for the prefill route, the decode
+node's for a deflection); ``kv_transfer_gb`` is the KV that travelled from
+prefill to decode nodes (a hand-off carries only the blocks the decode node
+lacks). They are NaN where unknown (the live load generator).
 """
 
 from __future__ import annotations
@@ -57,6 +65,8 @@ class RequestRecord:
     decode_queue_s: float
     finish_s: float  # seconds since the start of the run, last token
     tbt_gaps_s: npt.NDArray[np.float64] = field(repr=False)  # every gap between consecutive tokens
+    cached_tokens: int | None = None  # prompt tokens the computing node's prefix cache held; None: unknown
+    kv_transfer_bytes: int | None = None  # KV sent from a prefill node to the decode node; None: unknown
 
     def attains(self, slo: SLOConfig) -> bool:
         """Per-request SLO attainment (module docstring)."""
@@ -131,11 +141,29 @@ SUMMARY_COLUMNS = (
     *(f"p95_{name}" for name in BREAKDOWN),
     "prefill_util_pct",
     "decode_util_pct",
+    "prefill_hit_pct",
+    "deflect_hit_pct",
+    "kv_transfer_gb",
 )
 
 
 def _pct(values: npt.NDArray[np.float64], q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else math.nan
+
+
+def _hit_pct(records: Sequence[RequestRecord], route: str) -> float:
+    """Share of the prompt tokens of ``route``'s requests that were cached where they were computed."""
+    cached = prompt = 0
+    for r in records:
+        if r.route == route and r.cached_tokens is not None:
+            cached += r.cached_tokens
+            prompt += r.prompt_tokens
+    return 100 * cached / prompt if prompt else math.nan
+
+
+def _transfer_gb(records: Sequence[RequestRecord]) -> float:
+    sent = [r.kv_transfer_bytes for r in records if r.kv_transfer_bytes is not None]
+    return sum(sent) / 1e9 if sent else math.nan
 
 
 def summarize(
@@ -173,6 +201,9 @@ def summarize(
         "throughput_tok_s": tokens / (end - start) if end > start else math.nan,
         "prefill_util_pct": 100 * prefill_util,
         "decode_util_pct": 100 * decode_util,
+        "prefill_hit_pct": _hit_pct(records, "prefill"),
+        "deflect_hit_pct": _hit_pct(records, "deflect"),
+        "kv_transfer_gb": _transfer_gb(records),
     }
     for name in BREAKDOWN:
         row[f"p95_{name}"] = _pct(np.array([getattr(r, name) for r in records]), 95)
@@ -197,6 +228,8 @@ RECORD_COLUMNS = (
     "p95_tbt_s",
     "max_tbt_s",
     "attains_slo",
+    "cached_tokens",
+    "kv_transfer_bytes",
 )
 
 
@@ -228,6 +261,8 @@ def record_rows(
                 "p95_tbt_s": p95 if num_gaps else "",
                 "max_tbt_s": top if num_gaps else "",
                 "attains_slo": attains,
+                "cached_tokens": "" if r.cached_tokens is None else r.cached_tokens,
+                "kv_transfer_bytes": "" if r.kv_transfer_bytes is None else r.kv_transfer_bytes,
             }
         )
     return rows

@@ -23,6 +23,16 @@ LINES = (  # column, axis label, file, log scale
     ("slo_attainment_pct", "SLO attainment (%)", "slo_attainment_vs_rps.png", False),
     ("deflections", "deflected requests", "deflections_vs_rps.png", False),
 )
+CACHE_LINES = (
+    ("prefill_hit_pct", "prefill route: cached prompt tokens (%)", "prefill_hit_vs_rps.png", False),
+    ("deflect_hit_pct", "deflected: cached prompt tokens (%)", "deflect_hit_vs_rps.png", False),
+    ("kv_transfer_gb", "KV sent to decode nodes (GB)", "kv_transfer_vs_rps.png", False),
+)
+"""Drawn only when some request found part of its prompt cached (a workload with prefix identity)."""
+
+
+def _cached_any(summary: Sequence[dict[str, Any]]) -> bool:
+    return any(float(r[c]) > 0 for r in summary for c in ("prefill_hit_pct", "deflect_hit_pct"))
 
 
 def _by_policy(summary: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -39,7 +49,7 @@ def plot_all(summary: Sequence[dict[str, Any]], out: Path, slo: SLOConfig) -> li
     groups = _by_policy(summary)
     objectives = {"p95_ttft_s": slo.ttft_s, "p95_tbt_s": slo.tbt_s}
     written = []
-    for column, label, name, log in LINES:
+    for column, label, name, log in (*LINES, *(CACHE_LINES if _cached_any(summary) else ())):
         fig = Figure(figsize=(6, 4))
         ax = fig.add_subplot()
         fig.subplots_adjust(left=0.13, right=0.97, bottom=0.13, top=0.96)

@@ -24,6 +24,14 @@ The view a policy sees is the simulator's exact state, but step times come from
 nodes re-check each planned chunk when it runs with the policy's own guard
 (``Policy.chunk_guard``: Eq. 5 at run time, for the TBT-aware policies; the
 static baselines check no TBT, in planning or at run time, as in the paper).
+
+Prefix caching, when the workload has prefix identity: every node keeps a
+``BlockCache`` of its KV capacity in the workload's block size, under every
+policy (vLLM caches prefixes whatever routes the requests). A request is
+decided with the hits each node's cache holds for it (``PrefixHits``; a
+cache-blind policy ignores them), computed where it lands from its hit on,
+and a hand-off carries only the blocks its decode node lacks
+(``DecodeNode.expect``). Without prefix identity nothing of this runs.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from kairos_ray.core import ClusterView, Policy, Route, StepLatency
+from kairos_ray.core import BlockCache, ClusterView, Policy, PrefixHits, Route, StepLatency
 from kairos_ray.emulation import ClusterHardware, StepNoise
 from kairos_ray.metrics import RequestRecord
 from kairos_ray.nodes import DecodeNode, Job, PrefillNode
@@ -79,7 +87,10 @@ class ClusterSim:
         self.policy = policy
         self.truth = truth
         self.hw = hardware
-        self.prefill = [PrefillNode(f"prefill-{i}", prefill_chunk_tokens) for i in range(num_prefill)]
+        self.prefill = [
+            PrefillNode(f"prefill-{i}", prefill_chunk_tokens, kv_capacity_tokens=hardware.kv_capacity_tokens)
+            for i in range(num_prefill)
+        ]
         self.decode = [
             DecodeNode(f"decode-{i}", hardware.kv_capacity_tokens, hardware.max_batch_size, policy.chunk_guard())
             for i in range(num_decode)
@@ -92,6 +103,7 @@ class ClusterSim:
         self.now = 0.0
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
+        self._caches: list[tuple[str, BlockCache]] = []  # every node's prefix cache, once a workload has identity
 
     def _push(self, time_s: float, kind: Kind, payload: object) -> None:
         self._seq += 1
@@ -103,10 +115,17 @@ class ClusterSim:
         """The cluster as the router would see it now (exact state)."""
         return ClusterView(tuple(n.view() for n in self.prefill), tuple(n.view() for n in self.decode))
 
+    def hits(self, job: Job) -> PrefixHits | None:
+        """What each node's cache holds of the job's prompt; None without prefix identity."""
+        if not job.block_hashes:
+            return None
+        hashes, prompt = job.block_hashes, job.prompt_tokens
+        return PrefixHits({node_id: cache.cached_tokens(hashes, prompt) for node_id, cache in self._caches})
+
     # ---- event handlers -------------------------------------------------------------------
 
     def _arrive(self, job: Job) -> None:
-        decision = self.policy.decide(job.prompt_tokens, self.view())
+        decision = self.policy.decide(job.prompt_tokens, self.view(), self.hits(job))
         job.decision = decision
         if decision.decode_node is None:
             raise RuntimeError("policy named no decode node")
@@ -121,7 +140,7 @@ class ClusterSim:
         assert decision.prefill_node is not None
         job.prefill_node = self._index[decision.prefill_node]
         prefill = self.prefill[job.prefill_node]
-        prefill.queue.append(job)
+        prefill.enqueue(job)
         if not prefill.busy:
             self._start_prefill_step(prefill)
 
@@ -137,8 +156,9 @@ class ClusterSim:
     def _end_prefill_step(self, node: PrefillNode) -> None:
         done = node.end_step(self.now)
         if done is not None:
+            tokens = self.decode[done.decode_node].expect(done)
             start = max(self.now, self._link_free_s[done.decode_node])
-            self._link_free_s[done.decode_node] = arrival = start + self.hw.transfer_s(done.prompt_tokens)
+            self._link_free_s[done.decode_node] = arrival = start + self.hw.transfer_s(tokens)
             self._push(arrival, Kind.KV_ARRIVAL, done)
         self._start_prefill_step(node)
 
@@ -164,7 +184,15 @@ class ClusterSim:
 
     def run(self, workload: Workload, progress: Callable[[int], None] | None = None) -> SimResult:
         """Simulate every request of ``workload`` to its last token."""
-        requests = [Job(i, r.arrival_s, r.prompt_tokens, r.output_tokens) for i, r in enumerate(workload.requests)]
+        if workload.has_prefix_identity:
+            nodes: list[PrefillNode | DecodeNode] = [*self.prefill, *self.decode]
+            for node in nodes:
+                node.cache = BlockCache(workload.block_tokens)
+                self._caches.append((node.node_id, node.cache))
+        requests = [
+            Job(i, r.arrival_s, r.prompt_tokens, r.output_tokens, block_hashes=r.block_hashes)
+            for i, r in enumerate(workload.requests)
+        ]
         self._events = [(r.arrival_s, Kind.REQUEST_ARRIVAL, i, r) for i, r in enumerate(requests)]
         heapq.heapify(self._events)
         self._seq = len(requests)
@@ -191,6 +219,7 @@ class ClusterSim:
 
     def _records(self, requests: Sequence[Job]) -> list[RequestRecord]:
         durations = [np.asarray(n.durations) for n in self.decode]
+        kv_bytes = self.hw.kv_bytes_per_token
         records = []
         for r in requests:
             decision = r.decision
@@ -225,6 +254,8 @@ class ClusterSim:
                     decode_queue_s=dq_s,
                     finish_s=r.finish_s,
                     tbt_gaps_s=durations[r.decode_node][first_gap : r.last_step + 1],
+                    cached_tokens=r.cached_tokens,
+                    kv_transfer_bytes=0 if deflected else (r.prompt_tokens - r.handoff_cached_tokens) * kv_bytes,
                 )
             )
         return records

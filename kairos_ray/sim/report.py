@@ -4,6 +4,8 @@
 
 DIR holds one sub-directory per workload, each with the ``summary.csv`` of a
 ``kairos sim`` sweep (``scripts/reproduce_paper.sh`` writes exactly that).
+A ``multiturn`` sub-directory gets the prefix-caching table instead
+(``scripts/reproduce_prefix.sh``): every policy at every rate.
 """
 
 from __future__ import annotations
@@ -64,6 +66,24 @@ def table4(rows: Sequence[Row], rps: float) -> list[str]:
     return lines
 
 
+def cache_table(rows: Sequence[Row]) -> list[str]:
+    """Per rate and policy: P95 TTFT, TBT violations, SLO attainment, cache hits per route, KV sent."""
+    lines = [
+        "| req/s | policy | P95 TTFT (s) | TBT viol. % | SLO att. % | deflected | hit: prefill route % "
+        "| hit: deflected % | KV sent (GB) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in sorted(rows, key=lambda r: float(r["rps"])):
+        hits = [float(row[c]) for c in ("prefill_hit_pct", "deflect_hit_pct")]
+        lines.append(
+            f"| {float(row['rps']):g} | {row['policy']} | {float(row['p95_ttft_s']):.2f} "
+            f"| {float(row['tbt_violation_pct']):.2f} | {float(row['slo_attainment_pct']):.1f} | {row['deflections']} "
+            + "".join(f"| {h:.1f} " if h == h else "| - " for h in hits)
+            + f"| {float(row['kv_transfer_gb']):.1f} |"
+        )
+    return lines
+
+
 def claims(rows: Sequence[Row]) -> list[str]:
     """The reproduction criteria, each with the numbers behind it."""
     out = []
@@ -111,6 +131,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     by_workload = {p.parent.name: read_summary(p) for p in sorted(args.dir.glob("*/summary.csv"))}
     if not by_workload:
         parser.error(f"no */summary.csv under {args.dir}")
+    multiturn = by_workload.pop("multiturn", None)
+    if multiturn is not None:
+        print("\n".join(cache_table(multiturn)))
+    if not by_workload:
+        return 0
     print("\n".join(table3(by_workload, args.rps)))
     if "bursty" in by_workload:
         print()

@@ -4,11 +4,19 @@ A ``Workload`` is an ordered tuple of ``Request(arrival_s, prompt_tokens,
 output_tokens)`` with arrival times relative to the first request. Both
 ``kairos sim`` and the load generator take one, so a what-if run and a live
 replay see the same requests.
+
+A request may carry its prefix identity: ``block_hashes``, the chained
+hashes of its full blocks of ``Workload.block_tokens`` tokens (``core.prefix``),
+its prompt's first, then those of its answer where the workload knows them
+(the synthetic multi-turn workload does; a trace knows only the prompt's).
+Two requests share exactly the leading blocks whose hashes agree.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+from kairos_ray.core import BlockHash
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +24,7 @@ class Request:
     arrival_s: float  # seconds since the start of the workload
     prompt_tokens: int
     output_tokens: int  # tokens to generate, the first one included
+    block_hashes: tuple[BlockHash, ...] = ()  # chained hashes of its full blocks, prompt then answer; () unknown
 
 
 @dataclass(frozen=True)
@@ -23,6 +32,12 @@ class Workload:
     name: str
     requests: tuple[Request, ...]
     clipped: int = 0  # requests whose lengths were cut to fit the context (or raised to 1 token)
+    block_tokens: int = 16  # tokens per block of the requests' block_hashes
+
+    @property
+    def has_prefix_identity(self) -> bool:
+        """Whether any request carries block hashes."""
+        return any(r.block_hashes for r in self.requests)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -56,7 +71,10 @@ class Workload:
             output = min(max(1, r.output_tokens), context_tokens - prompt)
             if (prompt, output) != (r.prompt_tokens, r.output_tokens):
                 changed += 1
-                r = replace(r, prompt_tokens=prompt, output_tokens=output)
+                # a cut prompt keeps its leading blocks; the answer's blocks followed the whole prompt
+                kept = prompt + output if prompt == r.prompt_tokens else prompt
+                blocks = r.block_hashes[: kept // self.block_tokens]
+                r = replace(r, prompt_tokens=prompt, output_tokens=output, block_hashes=blocks)
             out.append(r)
         return replace(self, requests=tuple(out), clipped=self.clipped + changed)
 

@@ -16,6 +16,10 @@ output fits a 32K context (the paper normalises its traces to 32K):
 Poisson arrivals have exponential gaps (CV 1). The bursty workload draws
 gaps from a gamma distribution with shape k = 0.2 and the same mean: CV =
 1/sqrt(k), so most requests come in tight clumps separated by long lulls.
+
+``multiturn`` (``kairos_ray.workloads.multiturn``) is the one with prefix
+identity: conversations sharing a system prompt, each turn's prompt holding
+the earlier turns and answers.
 """
 
 from __future__ import annotations
@@ -57,13 +61,21 @@ SYNTHETIC: dict[str, SyntheticSpec] = {
 }
 
 
+WORKLOADS = (*SYNTHETIC, "multiturn")
+"""Every synthetic workload ``synthetic`` generates, by name."""
+
+
 def synthetic(
     name: str, rps: float, num_requests: int = 2000, seed: int = 0, context_tokens: int = CONTEXT_TOKENS
 ) -> Workload:
     """``num_requests`` requests of workload ``name`` arriving at a mean of ``rps`` per second."""
+    if name.lower() == "multiturn":
+        from kairos_ray.workloads.multiturn import multiturn  # it builds on this module
+
+        return multiturn(rps, num_requests, seed, context_tokens)
     spec = SYNTHETIC.get(name.lower())
     if spec is None:
-        raise ValueError(f"unknown workload {name!r}; known: {', '.join(SYNTHETIC)}")
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
     if rps <= 0:
         raise ValueError(f"rate must be > 0 requests/s, got {rps}")
     if num_requests < 1:

@@ -11,6 +11,13 @@ The format is recognised from the header (or the ``.jsonl`` suffix).
 Arrival times become offsets from the earliest request, and requests are
 sorted by arrival. A malformed line raises ``ValueError`` naming the file,
 the line and the field.
+
+Prefix identity, where a trace has it: Mooncake's ``hash_ids`` (one id per
+512-token block of the prompt, equal ids for equal prefixes), and in any CSV
+format an optional ``hash_ids`` column with the same meaning, the ids
+separated by spaces. Only the prompt's full blocks are kept (a partial last
+block is never cached, ``core.prefix``), and the answer's blocks are unknown.
+The Azure traces have no prefix identity.
 """
 
 from __future__ import annotations
@@ -23,7 +30,12 @@ from pathlib import Path
 
 from kairos_ray.workloads import Request, Workload
 
-Row = tuple[float, int, int]
+TRACE_BLOCK_TOKENS = 512
+"""Tokens per block of a trace's ``hash_ids`` (Mooncake's)."""
+
+HASH_IDS = "hash_ids"
+
+Row = tuple[float, int, int, tuple[int, ...]]
 
 
 class TraceError(ValueError):
@@ -50,17 +62,26 @@ def _azure_time(path: Path, line: int, value: str) -> float:
         raise TraceError(f"{path}:{line}: TIMESTAMP = {value!r} is not 'YYYY-MM-DD HH:MM:SS[.frac]'") from None
 
 
+def _hash_ids(path: Path, line: int, values: list[object], prompt_tokens: int) -> tuple[int, ...]:
+    """The ids of the prompt's full blocks."""
+    ids = tuple(int(_number(path, line, HASH_IDS, v, int)) for v in values)
+    return ids[: prompt_tokens // TRACE_BLOCK_TOKENS]
+
+
 def _csv_rows(path: Path, reader: csv.DictReader[str], columns: tuple[str, str, str], azure: bool) -> Iterator[Row]:
     t_col, p_col, o_col = columns
+    hashed = HASH_IDS in (reader.fieldnames or [])
     for row in reader:
         line = reader.line_num
         if None in row.values() or None in row:
             raise TraceError(f"{path}:{line}: expected {len(reader.fieldnames or [])} fields")
         arrival = _azure_time(path, line, row[t_col]) if azure else float(_number(path, line, t_col, row[t_col], float))
+        prompt = int(_number(path, line, p_col, row[p_col], int))
         yield (
             arrival,
-            int(_number(path, line, p_col, row[p_col], int)),
+            prompt,
             int(_number(path, line, o_col, row[o_col], int)),
+            _hash_ids(path, line, list(row[HASH_IDS].split()), prompt) if hashed else (),
         )
 
 
@@ -84,10 +105,15 @@ def _mooncake_rows(path: Path, lines: Iterator[str]) -> Iterator[Row]:
         for field in ("timestamp", "input_length", "output_length"):
             if field not in obj:
                 raise TraceError(f"{path}:{line_no}: missing field {field!r}")
+        prompt = int(_number(path, line_no, "input_length", obj["input_length"], int))
+        ids = obj.get(HASH_IDS, [])
+        if not isinstance(ids, list):
+            raise TraceError(f"{path}:{line_no}: {HASH_IDS} = {ids!r} is not a list")
         yield (
             float(_number(path, line_no, "timestamp", obj["timestamp"], float)) / 1000.0,
-            int(_number(path, line_no, "input_length", obj["input_length"], int)),
+            prompt,
             int(_number(path, line_no, "output_length", obj["output_length"], int)),
+            _hash_ids(path, line_no, ids, prompt),
         )
 
 
@@ -115,4 +141,5 @@ def load_trace(path: str | Path) -> Workload:
         raise TraceError(f"{path}: no requests")
     rows.sort(key=lambda r: r[0])
     start = rows[0][0]
-    return Workload(path.stem, tuple(Request(t - start, p, o) for t, p, o in rows))
+    requests = tuple(Request(t - start, p, o, h) for t, p, o, h in rows)
+    return Workload(path.stem, requests, block_tokens=TRACE_BLOCK_TOKENS)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kairos_ray.bench.loadgen import BenchResult, _tokens_per_event, token_gaps
+from kairos_ray.bench.loadgen import PROMPT_BASE, PROMPT_IDS, BenchResult, _tokens_per_event, prompt_ids, token_gaps
 
 
 def test_tokens_of_one_event_share_its_arrival():
@@ -24,3 +24,12 @@ def test_a_replay_that_falls_behind_says_so():
     assert not result.behind
     assert BenchResult([], [], 10.0, achieved_rps=3.8, scheduled_rps=4.0).behind
     assert np.isnan(BenchResult([], [], 1.0).achieved_rps)
+
+
+def test_no_two_requests_prompts_begin_alike():
+    """A server's prefix cache must not hit across the requests of a run: their first two ids differ."""
+    heads = {tuple(prompt_ids(rid, 2)) for rid in range(3 * PROMPT_IDS)}
+    assert len(heads) == 3 * PROMPT_IDS
+    prompt = prompt_ids(7, 1200)
+    assert len(prompt) == 1200 and all(PROMPT_BASE <= t < PROMPT_BASE + PROMPT_IDS for t in prompt)
+    assert prompt_ids(7, 1) == [PROMPT_BASE + 7]

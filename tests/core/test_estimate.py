@@ -73,6 +73,41 @@ def test_eq6_prices_each_chunk_by_its_own_prefix_by_hand():
     assert decode_ttft_s(OWN, 0, 400, (200, 100), prefix_tokens=400) == pytest.approx(0.064)
 
 
+# ---- cached prefixes ----------------------------------------------------------------------
+
+
+def test_exact_estimate_prices_only_the_uncached_suffix_from_its_context():
+    # 1300 tokens, 1000 cached: T(0, 1000, 200) + T(0, 1200, 100) = 0.05 + 0.032
+    assert prefill_ttft_exact_s(SIMPLE, PrefillNodeView("p0"), 1300, 200, cached_tokens=1000) == pytest.approx(0.082)
+
+
+def test_exact_estimate_walks_a_queue_of_cached_prompts_by_hand():
+    queue = PrefillNodeView("p0", (100, 100), queued_cached_tokens=(0, 2000))
+    # head from 0: 0.02; the next from its cached 2000: 0.01 + 100 * (1e-4 + 2e-4) = 0.04; r: 0.02
+    assert prefill_ttft_exact_s(SIMPLE, queue, 100, 200) == pytest.approx(0.08)
+    # the head's context is its hit plus what it prefilled since: 1500, so 0.01 + 100 * 2.5e-4
+    head = PrefillNodeView("p0", (100,), head_prefilled_tokens=500, queued_cached_tokens=(1000,))
+    assert head.context_tokens(0) == 1500
+    assert prefill_ttft_exact_s(SIMPLE, head, 100, 200) == pytest.approx(0.035 + 0.02)
+
+
+def test_paper_estimate_prices_the_suffix_from_its_cached_context():
+    # 300 uncached tokens after 1000: 300 / 200 * T(0, 1000 + 150, 200) = 1.5 * (0.01 + 200 * 2.15e-4)
+    assert prefill_ttft_paper_s(SIMPLE, PrefillNodeView("p0"), 1300, 200, cached_tokens=1000) == pytest.approx(0.0795)
+
+
+def test_a_committed_deflection_starts_from_its_cached_prefix():
+    node = DecodeNodeView(
+        "d0", 0, 0, 10_000, committed=((200, 100),), committed_cached_tokens=(1000,)
+    )  # not started: its 1000 cached tokens join K with its first chunk
+    # T(0, 1000, 200) + T(0, 1200, 100) = 0.05 + 0.032; it then decodes with its whole prompt in K
+    assert after_committed(SIMPLE, node) == pytest.approx((0.082, 1, 1300))
+    under_way = DecodeNodeView(
+        "d0", 0, 1200, 10_000, committed=((100,),), head_prefilled_tokens=200, committed_cached_tokens=(1000,)
+    )  # 200 prefilled: K holds its hit already
+    assert after_committed(SIMPLE, under_way) == pytest.approx((0.032, 1, 1300))
+
+
 @given(
     models(),
     st.integers(0, 128),

@@ -1,3 +1,4 @@
+import itertools
 import math
 from dataclasses import replace
 
@@ -10,9 +11,12 @@ from kairos_ray.core import (
     DecodeNodeView,
     PolicyParams,
     PrefillNodeView,
+    PrefixHits,
     Route,
+    StepLatencyModel,
     Thresholds,
     apply_decision,
+    decode_ttft_s,
     make_policy,
 )
 from kairos_ray.core.estimate import after_committed
@@ -149,16 +153,21 @@ def test_deflections_are_tbt_safe_behind_commitments_and_fit_kv(model, prompt, v
         return
     node = next(n for n in view.decode if n.node_id == decision.decode_node)
     assert node.headroom_kv_tokens >= prompt
-    wait_s, batch_size, kv = after_committed(model, node)
     assert sum(decision.chunk_schedule) == prompt
-    total, prefix = wait_s, 0
+    assert_safe_and_priced_by_eq6(model, node, decision, cached=0)
+    assert PARAMS.alpha * decision.ttft_decode_s < decision.ttft_prefill_s
+
+
+def assert_safe_and_priced_by_eq6(model, node, decision, cached):
+    """Behind the node's commitments, every chunk from the cached context on meets Eq. 5, and Eq. 6 is their sum."""
+    wait_s, batch_size, kv = after_committed(model, node)
+    total, prefix = wait_s, cached
     for chunk in decision.chunk_schedule:
         step = model.step_s(batch_size, kv + prefix, chunk, prefix)
         assert step <= PARAMS.tbt_budget_s
         total += step
         prefix += chunk
     assert decision.ttft_decode_s == pytest.approx(total, rel=1e-9)
-    assert PARAMS.alpha * decision.ttft_decode_s < decision.ttft_prefill_s
 
 
 @given(models(), prompts, views())
@@ -211,3 +220,106 @@ def test_apply_decision_records_exactly_one_commitment(model, prompt, view):
     queued = sum(n.num_queued for n in after.prefill) - sum(n.num_queued for n in view.prefill)
     committed = sum(len(n.committed) for n in after.decode) - sum(len(n.committed) for n in view.decode)
     assert (queued, committed) == ((0, 1) if decision.deflected else (1, 0))
+
+
+# ---- prefix-aware ---------------------------------------------------------------------------
+
+# T = 0.01 + 0.001 B + 1e-7 K + chi * (1e-4 + 1e-8 P): a chunk pays for its own context P
+CONTEXT = StepLatencyModel(
+    c0=0.01, c_batch=0.001, c_kv=1e-7, c_chunk=1e-4, c_chunk_kv=0.0, c_chunk_sq=0.0, c_chunk_prefix=1e-8
+)
+AWARE = PolicyParams(prefill_chunk_tokens=2048, chunk_candidates=(400, 200, 100), tbt_slo_s=0.051, beta=1.0)
+HISTORY = ClusterView(
+    (PrefillNodeView("p0", (8000,)),),
+    (DecodeNodeView("B", 0, 0, 1_000_000), DecodeNodeView("A", 0, 0, 1_000_000)),
+)
+ON_A = PrefixHits({"A": 6000})  # the conversation's last turn (prompt and answer) sits on A
+
+
+def test_a_turn_whose_history_sits_on_a_node_is_deflected_there_for_its_suffix_only():
+    decision = make_policy("kairos+prefix", AWARE, CONTEXT).decide(6500, HISTORY, ON_A)
+    # from P = K = 6000: 400 would take 0.0106 + 400 * 1.6e-4 = 0.0746 > 0.051; 200 takes 0.0426,
+    # then 0.04302 at P = 6200; the last 100 at P = 6400 take 0.02704
+    assert decision.route is Route.DEFLECT and decision.decode_node == "A"
+    assert decision.chunk_schedule == (200, 200, 100)
+    assert decision.cached_prompt_tokens == 6000
+    assert decision.ttft_decode_s == pytest.approx(0.0426 + 0.04302 + 0.02704)
+    assert decision.ttft_decode_s == pytest.approx(decode_ttft_s(CONTEXT, 0, 6000, (200, 200, 100), 6000))
+
+
+def test_the_ledger_adds_the_suffix_and_starts_it_from_the_cached_context():
+    decision = make_policy("kairos+prefix", AWARE, CONTEXT).decide(6500, HISTORY, ON_A)
+    node = apply_decision(HISTORY, 6500, decision, output_tokens=100).decode[1]
+    assert node.committed == ((200, 200, 100),) and node.committed_cached_tokens == (6000,)
+    assert (node.free_kv_tokens, node.headroom_kv_tokens) == (1_000_000 - 100, 1_000_000 - 600)
+    # the next request waits for exactly those steps; then the turn decodes with its whole 6500-token prompt in K
+    assert after_committed(CONTEXT, node) == pytest.approx((0.0426 + 0.04302 + 0.02704, 1, 6500))
+
+
+def test_a_cold_request_is_decided_exactly_as_before():
+    blind = make_policy("kairos+blind", AWARE, CONTEXT)
+    aware = make_policy("kairos", AWARE, CONTEXT)  # prefix-aware by default
+    assert aware.decide(6500, HISTORY) == aware.decide(6500, HISTORY, PrefixHits({})) == blind.decide(6500, HISTORY)
+    assert blind.decide(6500, HISTORY, ON_A) == blind.decide(6500, HISTORY)  # cache-blind: hits are ignored
+
+
+def test_a_deflection_needs_kv_room_for_its_suffix_only():
+    tight = ClusterView(HISTORY.prefill, (DecodeNodeView("A", 0, 0, 600),))
+    assert make_policy("kairos+prefix", AWARE, CONTEXT).decide(6500, tight, ON_A).deflected
+    assert "1 short of KV" in make_policy("kairos+blind", AWARE, CONTEXT).decide(6500, tight, ON_A).reason
+
+
+def test_a_disaggregated_request_goes_where_most_headroom_is_left_counting_the_blocks_held():
+    view = ClusterView(
+        (PrefillNodeView("p0"), PrefillNodeView("p1")),
+        (DecodeNodeView("roomy", 0, 0, 12_000), DecodeNodeView("holder", 0, 0, 10_000)),
+    )
+    hits = PrefixHits({"holder": 3000, "p1": 2048})
+    decision = make_policy("pd+prefix", AWARE, CONTEXT).decide(6500, view, hits)
+    # the holder needs room for 3500 tokens only: 10,000 + 3,000 left beats 12,000
+    assert (decision.prefill_node, decision.decode_node, decision.cached_prompt_tokens) == ("p1", "holder", 2048)
+    queued = apply_decision(view, 6500, decision).prefill[1]
+    assert (queued.queued_prompt_tokens, queued.queued_cached_tokens) == ((4452,), (2048,))
+    assert make_policy("pd+blind", AWARE, CONTEXT).decide(6500, view, hits).decode_node == "roomy"
+    # loaded by more than it holds, the holder gives way: conversations do not pile onto one node
+    busier = ClusterView(view.prefill, (view.decode[0], DecodeNodeView("holder", 0, 0, 8_000)))
+    assert make_policy("pd+prefix", AWARE, CONTEXT).decide(6500, busier, hits).decode_node == "roomy"
+
+
+def test_sl_with_prefix_is_llm_ds_uncached_suffix_threshold():
+    sl = make_policy("sl:1024+prefix", replace(AWARE, static_chunk_tokens=256), CONTEXT)
+    decision = sl.decide(6500, HISTORY, ON_A)
+    assert decision.deflected and decision.decode_node == "A" and decision.chunk_schedule == (256, 244)
+    assert decision.reason == "uncached suffix 500 <= 1024 tokens"
+    assert not make_policy("sl:1024+blind", AWARE, CONTEXT).decide(6500, HISTORY, ON_A).deflected
+
+
+def test_a_spec_suffix_sets_prefix_awareness_and_stays_in_the_spec():
+    policy = make_policy("sl:1024+prefix", AWARE, CONTEXT)
+    assert policy.spec == "sl:1024+prefix" and policy.params.prefix_aware
+    blind = make_policy("kairos+blind", AWARE, CONTEXT)
+    assert blind.spec == "kairos+blind" and not blind.params.prefix_aware
+    assert make_policy("oracle", AWARE, CONTEXT).params.prefix_aware  # the default
+    assert not make_policy("oracle", replace(AWARE, prefix_aware=False), CONTEXT).params.prefix_aware
+
+
+@given(models(), prompts, views(), st.data())
+def test_prefix_aware_deflections_are_tbt_safe_from_the_cached_context(model, prompt, view, data):
+    hits = PrefixHits({n.node_id: data.draw(st.integers(0, prompt - 1)) for n in view.decode})
+    decision = make_policy("kairos+prefix", PARAMS, model).decide(prompt, view, hits)
+    if not decision.deflected:
+        return
+    node = next(n for n in view.decode if n.node_id == decision.decode_node)
+    cached = hits.at(node.node_id)
+    assert decision.cached_prompt_tokens == cached
+    assert sum(decision.chunk_schedule) == prompt - cached <= node.headroom_kv_tokens
+    assert all(a >= b for a, b in itertools.pairwise(decision.chunk_schedule))
+    assert_safe_and_priced_by_eq6(model, node, decision, cached)
+
+
+@given(models(), prompts, views())
+def test_without_hits_prefix_awareness_changes_no_decision(model, prompt, view):
+    zero = PrefixHits({n.node_id: 0 for n in (*view.prefill, *view.decode)})
+    for spec in ("kairos", "pd", "sq:1", "sl:1024"):
+        blind = make_policy(f"{spec}+blind", PARAMS, model).decide(prompt, view)
+        assert make_policy(f"{spec}+prefix", PARAMS, model).decide(prompt, view, zero) == blind

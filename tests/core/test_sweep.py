@@ -2,6 +2,7 @@ import itertools
 from dataclasses import replace
 
 from hypothesis import given
+from hypothesis import strategies as st
 
 from kairos_ray.core import tbt_safe_schedule
 from kairos_ray.core.sweep import largest_safe_chunk, largest_safe_runs
@@ -101,3 +102,28 @@ def test_run_time_guard_counts_the_chunks_own_prefix():
     assert largest_safe_chunk(OWN, 1, 400, 400, SMALL, 0.052, prefix_tokens=0) == 400
     assert largest_safe_chunk(OWN, 1, 400, 400, SMALL, 0.052, prefix_tokens=400) == 200
     assert largest_safe_chunk(OWN, 1, 300_000, 400, SMALL, 0.052) == 400  # the others' KV: not the chunk's
+
+
+def test_a_cached_prefix_starts_the_schedule_from_a_long_context():
+    # 500 uncached tokens after 6000 cached, on an idle node: 400 at P = 6000 takes 0.01 + 400 * 7e-4 > 0.051,
+    # and with OWN even 100 does (0.08): the suffix cannot go here; a cold 500-token prompt can
+    assert tbt_safe_schedule(OWN, 0, 0, 500, SMALL, 0.051, prefix_tokens=6000) is None
+    assert tbt_safe_schedule(OWN, 0, 0, 500, SMALL, 0.051) == (400, 100)
+    # at P = 200: 400 takes 0.058, 200 takes 0.034 and 0.038 at P = 400; the last 100 at P = 600: 0.026
+    assert tbt_safe_schedule(OWN, 0, 0, 500, SMALL, 0.051, prefix_tokens=200) == (200, 200, 100)
+
+
+@given(models(), prompts, st.integers(0, 32_768), candidate_sets, budgets)
+def test_a_schedule_from_a_cached_prefix_meets_eq5_never_grows_and_covers_the_suffix(
+    model, suffix, cached, candidates, budget
+):
+    batch_size, kv_tokens = 32, 50_000
+    schedule = tbt_safe_schedule(model, batch_size, kv_tokens, suffix, candidates, budget, prefix_tokens=cached)
+    if schedule is None:
+        return
+    assert sum(schedule) == suffix
+    prefix = cached
+    for chunk in schedule:
+        assert model.step_s(batch_size, kv_tokens + prefix, chunk, prefix) <= budget
+        prefix += chunk
+    assert all(a >= b for a, b in itertools.pairwise(schedule))

@@ -102,3 +102,81 @@ def test_wrong_kv_changes_the_tokens(runs):
     """The comparisons above can fail: a consumer fed noise instead of the KV decodes otherwise."""
     n = len(PROMPTS)
     assert runs["decoded"][3 * n :] != runs["reference"]
+
+
+HELD = 300  # leading prompt tokens the consumer has cached already: two whole 128-token blocks and part of one
+
+
+def _kv_blocks(worker, block_ids):
+    """Every attention layer's KV at ``block_ids`` (blocks lead on the CPU), on the worker."""
+    index = torch.tensor(block_ids, dtype=torch.long)
+    layers = worker.model_runner.vllm_config.compilation_config.static_forward_context
+    return {
+        name: layer.kv_cache.index_select(0, index).clone()
+        for name, layer in layers.items()
+        if isinstance(getattr(layer, "kv_cache", None), torch.Tensor) and layer.kv_cache.numel()
+    }
+
+
+@pytest.fixture(scope="module")
+def cached_runs(tmp_path_factory):
+    """A consumer with prefix caching on that holds the leading blocks of the prompts it is handed off.
+
+    Random weights this small barely notice blocks left unloaded (their KV is
+    near zero either way), so besides the tokens the fixture keeps what was
+    staged and what the consumer's blocks hold after the load.
+    """
+    from vllm import SamplingParams
+
+    from kairos_ray.kv.connector import KairosKVConnector
+
+    staging = str(tmp_path_factory.mktemp("staging-cached"))
+    prompts = PROMPTS[2:]  # longer than the held part
+    allocated = {}  # prompt tokens -> (every block of the request, in order; tokens loaded from outside)
+    out = {"prompts": prompts}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        producer = engine(kv_transfer_config=kv_config("kv_producer", staging), enable_prefix_caching=True)
+        remote = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}, **GREEDY)
+        params = [o.kv_transfer_params for o in generate(producer, prompts, remote)]
+        del producer
+        out["staged"] = [torch.load(rank_path(p["kairos_kv"], 0), weights_only=True) for p in params]
+
+        original = KairosKVConnector.update_state_after_alloc
+
+        def spy(self, request, blocks, num_external_tokens):
+            allocated[request.num_prompt_tokens] = (list(blocks.get_block_ids()[0]), num_external_tokens)
+            return original(self, request, blocks, num_external_tokens)
+
+        mp.setattr(KairosKVConnector, "update_state_after_alloc", spy)
+        consumer = engine(kv_transfer_config=kv_config("kv_consumer", staging), enable_prefix_caching=True)
+        generate(consumer, [p[:HELD] for p in prompts], SamplingParams(max_tokens=1, **GREEDY))
+        allocated.clear()
+        decoded = generate(
+            consumer,
+            prompts,
+            [SamplingParams(max_tokens=OUTPUT, extra_args={"kv_transfer_params": p}, **GREEDY) for p in params],
+        )
+        out["decoded"] = [list(o.outputs[0].token_ids) for o in decoded]
+        out["cached"] = [o.num_cached_tokens for o in decoded]
+        out["blocks"] = [allocated[len(p)] for p in prompts]
+        out["held"] = [consumer.collective_rpc(_kv_blocks, args=(ids,))[0] for ids, _ in out["blocks"]]
+        del consumer
+    return out
+
+
+def test_a_consumer_holding_a_prefix_loads_the_rest_behind_it(runs, cached_runs):
+    """The staged blocks past the consumer's own prefix hit land in the request's blocks past it."""
+    block = 128
+    assert cached_runs["decoded"] == runs["reference"][2:]
+    assert cached_runs["cached"] == [len(p) - 1 for p in cached_runs["prompts"]]
+    for prompt, staged, (_, external), held in zip(
+        cached_runs["prompts"], cached_runs["staged"], cached_runs["blocks"], cached_runs["held"], strict=True
+    ):
+        hit_blocks = (len(prompt) - 1 - external) // block
+        assert hit_blocks >= HELD // block  # the consumer's own cache served the held part
+        whole = (len(prompt) - 1) // block  # the last block's tail is recomputed and decoded into
+        assert whole > hit_blocks
+        for name, layer in staged.items():
+            for j in range(hit_blocks, whole):
+                assert torch.equal(held[name][j], layer[j]), (len(prompt), name, j)

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -60,6 +62,24 @@ def test_record_rows_carry_every_column():
     (row,) = record_rows([record(0, 0.2, [0.01, 0.03])], SLO, "pd", 2.0)
     assert row["num_tbt_gaps"] == 2 and row["max_tbt_s"] == pytest.approx(0.03)
     assert row["attains_slo"] is True and row["route"] == "prefill"
+
+
+def test_cache_hits_per_route_and_kv_sent_by_hand():
+    records = [
+        replace(record(0, 0.2, [0.01]), cached_tokens=50, kv_transfer_bytes=2_000_000_000),  # 50 of 100 cached
+        replace(record(1, 0.2, [0.01]), cached_tokens=0, kv_transfer_bytes=1_000_000_000),
+        replace(record(2, 0.2, [0.01], route="deflect"), cached_tokens=90, kv_transfer_bytes=0),
+    ]
+    row = summarize(records, SLO, "kairos+prefix", 3.0)
+    assert (row["prefill_hit_pct"], row["deflect_hit_pct"], row["kv_transfer_gb"]) == (25.0, 90.0, 3.0)
+    (first, *_) = record_rows(records, SLO, "kairos+prefix", 3.0)
+    assert (first["cached_tokens"], first["kv_transfer_bytes"]) == (50, 2_000_000_000)
+
+
+def test_cache_figures_are_unknown_where_the_records_do_not_say():
+    row = summarize([record(0, 0.2, [0.01])], SLO, "live", 1.0)
+    assert all(np.isnan(row[c]) for c in ("prefill_hit_pct", "deflect_hit_pct", "kv_transfer_gb"))
+    assert record_rows([record(0, 0.2, [0.01])], SLO, "live", 1.0)[0]["cached_tokens"] == ""
 
 
 @given(st.lists(st.lists(st.floats(0.0, 0.2), max_size=30), max_size=20), st.floats(0.0, 2.0))

@@ -5,7 +5,16 @@ from dataclasses import replace
 
 import pytest
 
-from kairos_ray.core import ClusterView, Decision, PolicyParams, Route, StepLatencyModel, StepwiseLatency, make_policy
+from kairos_ray.core import (
+    ClusterView,
+    Decision,
+    PolicyParams,
+    PrefixHits,
+    Route,
+    StepLatencyModel,
+    StepwiseLatency,
+    make_policy,
+)
 from kairos_ray.emulation import ClusterHardware
 from kairos_ray.sim.cluster import ClusterSim, Kind
 from kairos_ray.workloads import Request, Workload
@@ -31,9 +40,13 @@ MODEL = StepLatencyModel(0.1, 0.0, 0.0, 0.001, 0.0, 0.0)  # the same as Fixed, a
 PARAMS = PolicyParams(prefill_chunk_tokens=100, chunk_candidates=(100,), static_chunk_tokens=100, tbt_slo_s=1.0)
 
 
-def simulate(spec, requests, num_prefill=1, num_decode=1, hardware=HW, seed=0):
+def replay(spec, workload, num_prefill=1, num_decode=1, hardware=HW, seed=0):
     sim = ClusterSim(make_policy(spec, PARAMS, MODEL), Fixed(), hardware, num_prefill, num_decode, 100, seed)
-    return sim.run(Workload("test", tuple(Request(*r) for r in requests)))
+    return sim.run(workload)
+
+
+def simulate(spec, requests, num_prefill=1, num_decode=1, hardware=HW, seed=0):
+    return replay(spec, Workload("test", tuple(Request(*r) for r in requests)), num_prefill, num_decode, hardware, seed)
 
 
 def test_tie_order_is_written_down():
@@ -118,8 +131,8 @@ class Recording:
     def chunk_guard(self):
         return self.policy.chunk_guard()
 
-    def decide(self, prompt_tokens: int, view: ClusterView) -> Decision:
-        decision = self.policy.decide(prompt_tokens, view)
+    def decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None = None) -> Decision:
+        decision = self.policy.decide(prompt_tokens, view, hits)
         self.calls.append((prompt_tokens, view, decision))
         return decision
 
@@ -159,3 +172,38 @@ def test_runs_are_deterministic_per_seed_and_lose_no_request():
         assert parts == pytest.approx(r.ttft_s)
         assert len(r.tbt_gaps_s) == r.output_tokens - 1
         assert r.finish_s >= r.arrival_s + r.ttft_s
+
+
+# ---- prefix caching -----------------------------------------------------------------------------
+
+# Turn 1: a 180-token prompt (3 whole 50-token blocks) and a 30-token answer; turn 2 at t = 10 s appends the
+# answer and 90 new tokens: 300 prompt tokens whose first 4 blocks are turn 1's prompt and answer.
+CONVERSATION = Workload(
+    "two turns",
+    (Request(0.0, 180, 30, (1, 2, 3, 4)), Request(10.0, 300, 2, (1, 2, 3, 4, 5, 6))),
+    block_tokens=50,
+)
+
+
+def test_the_next_turn_is_deflected_to_its_history_by_hand():
+    first, second = replay("kairos+prefix", CONVERSATION).records
+    # turn 1, cold: 0.38 s either way, so alpha keeps it on the prefill node; 180 tokens travel
+    assert (first.route, first.cached_tokens, first.kv_transfer_bytes) == ("prefill", 0, 180_000_000)
+    # turn 2: the prefill node holds turn 1's prompt (150 tokens: 0.2 + 0.15 s to go), the decode node its prompt
+    # and answer (200 tokens): one 100-token chunk, 0.2 s, which wins by alpha 1.2; nothing travels
+    assert (second.route, second.cached_tokens, second.kv_transfer_bytes) == ("deflect", 200, 0)
+    assert second.ttft_s == pytest.approx(0.2)
+
+
+def test_a_cache_blind_policy_still_gets_the_engines_hits_by_hand():
+    _, second = replay("kairos+blind", CONVERSATION).records
+    # priced whole (0.6 s on either path), it goes to the prefill node, which computes the 150 tokens it lacks
+    # (0.35 s); the decode node holds 200 of the 300 tokens, so 100 travel: 0.1 + 0.1 s; then a 0.1 s step
+    assert (second.route, second.cached_tokens, second.kv_transfer_bytes) == ("prefill", 150, 100_000_000)
+    assert second.ttft_s == pytest.approx(0.65)
+
+
+def test_without_prefix_identity_no_node_keeps_a_cache():
+    sim = ClusterSim(make_policy("kairos+prefix", PARAMS, MODEL), Fixed(), HW, 1, 1, 100)
+    sim.run(Workload("cold", (Request(0.0, 100, 2),)))
+    assert sim.prefill[0].cache is None and sim.decode[0].cache is None

@@ -28,6 +28,23 @@ def test_sim_writes_summary_records_and_plots(tmp_path):
     for name in ("p95_ttft_vs_rps", "p95_tbt_vs_rps", "slo_attainment_vs_rps", "deflections_vs_rps", "ttft_breakdown"):
         assert (out / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
 
+    assert not (out / "kv_transfer_vs_rps.png").exists()  # no prefix identity: no cache figures
+
+
+def test_sim_on_multiturn_reports_cache_hits_and_kv_sent(tmp_path):
+    out = tmp_path / "out"
+    result = kairos(
+        "sim", "--workload", "multiturn", "--rps", "8", "--policies", "kairos+blind,kairos+prefix",
+        "--requests", "300", "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    with (out / "summary.csv").open() as f:
+        blind, aware = list(csv.DictReader(f))
+    assert float(aware["deflect_hit_pct"]) > 50  # deflected to the node holding the conversation
+    assert float(aware["kv_transfer_gb"]) < float(blind["kv_transfer_gb"])
+    for name in ("prefill_hit_vs_rps", "deflect_hit_vs_rps", "kv_transfer_vs_rps"):
+        assert (out / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
 
 def test_sim_replays_a_trace_at_its_own_rate(tmp_path):
     trace = tmp_path / "t.csv"

@@ -1,3 +1,4 @@
+import itertools
 import json
 from pathlib import Path
 
@@ -5,6 +6,7 @@ import numpy as np
 import pytest
 
 from kairos_ray.workloads import Request, Workload
+from kairos_ray.workloads.multiturn import CONVERSATION_SHIFT, MULTITURN, multiturn
 from kairos_ray.workloads.synthetic import SYNTHETIC, synthetic
 from kairos_ray.workloads.traces import TraceError, load_trace
 
@@ -113,3 +115,66 @@ def test_azure_conversation_trace():
     assert w.requests[0] == Request(0.0, 374, 44)
     assert w.requests[1].arrival_s == pytest.approx(4.3145790, abs=1e-6)
     assert 3000 < w.duration_s < 3600
+
+
+# ---- prefix identity --------------------------------------------------------------------------
+
+
+def test_multiturn_hits_its_rate_and_is_seeded():
+    workload = synthetic("multiturn", rps=4.0, num_requests=3000, seed=1)
+    assert len(workload) == 3000 and workload.block_tokens == 16
+    assert workload.rate_rps == pytest.approx(4.0, rel=0.15)
+    assert all(r.prompt_tokens + r.output_tokens <= 32_768 for r in workload.requests)
+    assert workload == synthetic("multiturn", 4.0, 3000, seed=1) != synthetic("multiturn", 4.0, 3000, seed=2)
+
+
+def test_a_turns_prompt_holds_the_last_turns_prompt_and_answer():
+    workload = multiturn(rps=2.0, num_requests=400, seed=3)
+    by_conversation: dict[int, list[Request]] = {}
+    for r in workload.requests:
+        by_conversation.setdefault(r.block_hashes[-1] >> CONVERSATION_SHIFT, []).append(r)
+    turns = max(by_conversation.values(), key=len)
+    assert len(turns) >= 3
+    for last, turn in itertools.pairwise(turns):
+        assert turn.arrival_s > last.arrival_s
+        assert turn.prompt_tokens > last.prompt_tokens + last.output_tokens  # its answer and a new message
+        held = (last.prompt_tokens + last.output_tokens) // 16  # every full block of the last prompt and answer
+        assert turn.block_hashes[:held] == last.block_hashes[:held]
+        assert len(turn.block_hashes) == (turn.prompt_tokens + turn.output_tokens) // 16
+
+
+def test_conversations_share_the_system_prompt_and_nothing_else():
+    first, second = (min(rs, key=lambda r: r.prompt_tokens) for rs in _two_conversations())
+    shared = MULTITURN.system_prompt_tokens // 16
+    assert first.block_hashes[:shared] == second.block_hashes[:shared] == tuple(range(shared))
+    assert first.block_hashes[shared] != second.block_hashes[shared]
+
+
+def _two_conversations() -> list[list[Request]]:
+    groups: dict[int, list[Request]] = {}
+    for r in multiturn(rps=2.0, num_requests=200, seed=4).requests:
+        groups.setdefault(r.block_hashes[-1] >> CONVERSATION_SHIFT, []).append(r)
+    return list(groups.values())[:2]
+
+
+def test_clipping_keeps_the_blocks_that_still_exist():
+    w = Workload("w", (Request(0.0, 40, 20, (1, 2, 3)), Request(1.0, 100, 1, (4, 5, 6, 7, 8, 9))), block_tokens=16)
+    clipped = w.clipped_to_context(50)
+    assert clipped.requests[0].block_hashes == (1, 2, 3)  # 40 + 10 tokens: three whole blocks
+    assert clipped.requests[1].block_hashes == (4, 5, 6)  # the prompt was cut to 49 tokens: its first 3 blocks
+
+
+def test_traces_keep_prefix_identity_where_they_have_it(tmp_path):
+    mooncake = tmp_path / "mc.jsonl"
+    mooncake.write_text(
+        json.dumps({"timestamp": 0, "input_length": 1100, "output_length": 7, "hash_ids": [4, 5, 6]}) + "\n"
+    )
+    w = load_trace(mooncake)
+    assert w.block_tokens == 512 and w.requests[0].block_hashes == (4, 5)  # the partial third block is not cached
+    plain = tmp_path / "plain.csv"
+    plain.write_text("arrival_s,prompt_tokens,output_tokens,hash_ids\n0,1024,10,7 8\n1,100,10,\n")
+    assert [r.block_hashes for r in load_trace(plain).requests] == [(7, 8), ()]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": 3}) + "\n")
+    with pytest.raises(TraceError, match=r"bad\.jsonl:1: hash_ids = 3 is not a list"):
+        load_trace(bad)
