@@ -74,11 +74,14 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     serving = args.serving.model_dump(mode="json")
     router = Router.bind(kairos, args.serving.refit_every_steps)
     secret = secrets.token_bytes(32)  # this application's engines prove it to each other (KV channel pairs)
+    decode = args.decode_config
+    vllm = decode.engine == "vllm"  # the ingress renders prompts as the decode engines will see them
     return Ingress.bind(
         router,
         _pool("prefill", args.prefill_config, args.kairos, kairos, serving, router, secret),
-        _pool("decode", args.decode_config, args.kairos, kairos, serving, router, secret),
-        args.decode_config.model_loading_config.model_id,
+        _pool("decode", decode, args.kairos, kairos, serving, router, secret),
+        decode.model_loading_config.model_id,
         serving,
-        args.decode_config.model_loading_config.source if args.decode_config.engine == "vllm" else None,
+        decode.model_loading_config.source if vllm else None,
+        dict(decode.engine_kwargs) if vllm else None,
     )
