@@ -61,7 +61,7 @@ def never(seconds: float) -> bytes:
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     """(run, prefill engine, decode engine, states pushed by each)."""
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)  # its own, whatever else runs here
     states = {"prefill": [], "decode": []}
 
     def per_role(role):

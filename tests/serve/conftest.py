@@ -40,6 +40,7 @@ def running_app(args: dict, model: str, ready_within_s: float):
     """(base URL, metrics URL) of the app ``args`` on a fresh local Ray; everything is shut down afterwards."""
     http_port, metrics_port = free_port(), free_port()
     ray.init(
+        address="local",  # a Ray of its own, even where `ray start` runs another on this machine
         num_cpus=2,
         resources={"prefill_node": 2, "decode_node": 2},
         include_dashboard=False,
