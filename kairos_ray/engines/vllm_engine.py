@@ -57,6 +57,7 @@ from kairos_ray.core import DecodeNodeView, PrefillNodeView, StepLatencyModel
 from kairos_ray.engines import EngineUnhealthy, NodeSpec
 from kairos_ray.engines.reporting import StateReporter
 from kairos_ray.engines.vllm_args import GUARD_KEY, SCHEDULE_KEY, guard_spec
+from kairos_ray.engines.vllm_worker import EXTENSION as SEEDED_CHUNKS
 from kairos_ray.kv import KAIROS_CONNECTOR, KVBytes, KVLost, KVTransport, build_transport
 from kairos_ray.kv.staging import HOLD_KEY, Staging, node_staging_dir, remote_decode_params
 from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role, TokenEvent, TokenLogprob, TTFTBreakdown
@@ -75,8 +76,10 @@ def engine_args(
 
     Prefill nodes get the Kairos KV connector as producer (keeping a request's
     blocks until the decode node has its KV if ``hold_blocks``), decode nodes
-    as consumer plus the chunk-schedule scheduler. A ``kv_transfer_config`` in
-    ``engine_kwargs`` (e.g. vLLM's ``NixlConnector``) replaces the Kairos one.
+    as consumer plus the chunk-schedule scheduler and the worker extension
+    that lets seeded requests prefill in chunks on CPU (``engines.vllm_worker``).
+    A ``kv_transfer_config`` in ``engine_kwargs`` (e.g. vLLM's
+    ``NixlConnector``) replaces the Kairos one.
     """
     kv_config: dict[str, Any] = {
         "kv_connector": KAIROS_CONNECTOR,
@@ -94,6 +97,7 @@ def engine_args(
     }
     if role is Role.DECODE:
         args.setdefault("scheduler_cls", SCHEDULER)
+        args.setdefault("worker_extension_cls", SEEDED_CHUNKS)
     return args
 
 
@@ -200,6 +204,8 @@ class VllmEngine:
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger])
         cache = self.llm.vllm_config.cache_config
         self.kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+        if self.args.get("worker_extension_cls") == SEEDED_CHUNKS:
+            await self.llm.collective_rpc("rewind_cpu_generators")
         self._progress_s = time.monotonic()
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
