@@ -11,6 +11,7 @@ run-emulated: setup
 	bash scripts/run_local.sh emulated
 
 stop:
+	-[ -f /tmp/kairos-prometheus/pid ] && kill $$(cat /tmp/kairos-prometheus/pid) && rm /tmp/kairos-prometheus/pid
 	-RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled .venv/bin/ray stop
 
 demo: setup

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,6 +33,8 @@ examples:
                                        what deflection buys on bursty traffic, no GPU needed
   kairos bench --url http://127.0.0.1:8000 --workload bursty --rps 4
                                        replay a workload against a live server
+  kairos top --url http://127.0.0.1:8000
+                                       watch a running app's nodes, refreshed every second
   kairos config show > kairos.yaml     write the default configuration
   kairos config check kairos.yaml      validate a configuration file
   kairos profile -o steps.csv          time a real vLLM engine's steps (the tiny CPU model by default)
@@ -209,6 +212,12 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_top(args: argparse.Namespace) -> int:
+    from kairos_ray.top import run
+
+    return run(args.url, args.interval, args.once, args.api_key)
+
+
 def _engine_arg(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
@@ -239,6 +248,7 @@ def _numbers(kind: Callable[[str], T]) -> Callable[[str], list[T]]:
 
 
 _positive_int = _arg_type(int, lambda v: v >= 1, "an integer", "must be >= 1")
+_positive_float = _arg_type(float, lambda v: v > 0, "a number", "must be > 0")
 _fraction = _arg_type(float, lambda v: 0.0 < v < 1.0, "a number", "must be between 0 and 1")
 _rates = _arg_type(
     _numbers(float), lambda v: bool(v) and min(v) > 0, "a comma-separated list of rates", "rates must be > 0 requests/s"
@@ -344,6 +354,28 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--decode", type=_positive_int, default=2, help="decode nodes, with --compare-sim (2)")
     _add_run_options(bench, "for the SLO", "a synthetic workload", "bench-out")
     bench.set_defaults(func=_cmd_bench)
+
+    from kairos_ray.top import columns_help
+
+    top = commands.add_parser(
+        "top",
+        help="a live view of a running app: every node's queue, batch, KV and steps, the last minute's latencies",
+        description="A live terminal view of a running Kairos-Ray app, refreshed every second from its\n"
+        "GET /kairos/state: a line per node, then the last minute at the ingress (requests,\n"
+        "deflected share, P95 TTFT and TBT, fallbacks, rejections). Ctrl-C quits.",
+        epilog=f"columns:\n{columns_help()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    top.add_argument("--url", default="http://127.0.0.1:8000", help="the app's base URL (%(default)s)")
+    top.add_argument("--interval", type=_positive_float, default=1.0, metavar="S", help="seconds between refreshes (1)")
+    top.add_argument("--once", action="store_true", help="print the view once and exit (for scripts and logs)")
+    top.add_argument(
+        "--api-key",
+        default=os.environ.get("KAIROS_API_KEY"),
+        metavar="KEY",
+        help="the app's API key, when it has one (default: $KAIROS_API_KEY)",
+    )
+    top.set_defaults(func=_cmd_top)
 
     prof = commands.add_parser(
         "profile",

@@ -7,10 +7,13 @@ frozen structs, every field commented, units in the names.
 |---|---|---|
 | ``EngineRequest`` | ingress -> prefill or decode node | ``serve.dispatch`` |
 | ``KVHandoff`` | prefill node -> (ingress) -> decode node | each engine's ``prefill`` |
-| ``TokenEvent`` (streamed in lists: the tokens ready at once) | decode node -> ingress | each engine's ``generate`` |
+| ``TokenEvent`` (in lists: the tokens ready at once) | decode engine -> its server | each engine's ``generate`` |
+| ``TokenBatch`` | decode node -> ingress replica (one subscription each) | ``serve.mux.Outbox`` |
 | ``NodeState`` (with its ``StepRecord`` s) | engine node -> router | ``engines.reporting.StateReporter`` |
 | ``DecisionRequest`` | ingress -> router | ``serve.dispatch`` (batched per event-loop tick) |
 | ``RoutingReply`` | router -> ingress | ``serve.router.Router.decide`` (or the ingress's fallback) |
+| ``RouterLive`` (a ``NodeLive`` per node) | router -> ingress | ``serve.live.RouterWindow`` |
+| ``LiveState`` (with a ``ServiceLive``) | ingress -> ``kairos top`` (JSON) | ``serve.live`` |
 
 Per-request timing (a running TBT clock, the TTFT) stays with the request's
 handler in the ingress, never inside a reply.
@@ -18,6 +21,7 @@ handler in the ingress, never inside a reply.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -105,6 +109,14 @@ class TokenEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenBatch:
+    """What a decode node streams to one ingress replica in one item: every token ready since the last item."""
+
+    tokens: dict[tuple[int, int], list[TokenEvent]]  # (request id, attempt) -> its new tokens, in order
+    failed: dict[tuple[int, int], str]  # (request id, attempt) -> why its run on the node failed
+
+
+@dataclass(frozen=True, slots=True)
 class StepRecord:
     """One engine step as measured: Eq. 4's features and its time."""
 
@@ -170,3 +182,67 @@ class RoutingReply:
         """Plain disaggregation on whichever nodes Serve picks, when the router cannot decide."""
         decision = Decision(Route.PREFILL, None, None, (), None, None, f"fallback: {reason}")
         return cls(decision, 0.0, 0.0, fallback=True)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLive:
+    """A node in the live view (``GET /kairos/state``, ``kairos top``): its last report, the router's last minute."""
+
+    node_id: str
+    role: Role
+    ray_node_id: str  # the Ray node (host) the engine runs on
+    report_age_s: float  # since its last report reached the router
+    queued_requests: int  # prefill: prompts in its FIFO; decode: hand-offs waiting for a batch slot
+    queued_prompt_tokens: int  # prefill: prompt tokens still to prefill in its FIFO (0 on a decode node)
+    batch_size: int  # decode: requests decoding (B)
+    kv_tokens: int  # decode: resident KV tokens (K)
+    free_kv_tokens: int  # decode: KV capacity not yet used, in tokens
+    kv_usage: float  # share of the KV cache in use, as the engine counts it
+    committed_deflections: int  # decode: deflections routed here, not prefilled yet
+    num_steps: int  # steps the node reported in the window
+    step_measured_s: float  # their mean measured time (0.0 without steps)
+    step_predicted_s: float  # the step-latency model's mean for the same steps
+    num_routed: int  # requests the router sent here in the window (decode: deflected or handed off)
+    num_deflected: int  # decode: of those, deflected here (0 on a prefill node)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterLive:
+    """The router's part of the live view."""
+
+    policy: str  # the policy spec deciding (kairos, pd, sl:<tokens>, ...)
+    window_s: float  # the window behind the per-node counts and means
+    nodes: tuple[NodeLive, ...]  # every live node, by id
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceLive:
+    """The ingress's part of the live view: its requests of the last ``window_s``."""
+
+    window_s: float
+    num_requests: int  # requests whose first token came in the window
+    num_deflected: int  # of those, deflected
+    p95_ttft_s: float | None  # over those requests (None without any)
+    p95_tbt_s: float | None  # over every gap between streamed tokens in the window (None without any)
+    num_fallbacks: int  # requests the router could not decide (plain disaggregation)
+    rejections: Mapping[str, int]  # refused requests by reason (overload, bad-request, ...)
+
+
+@dataclass(frozen=True, slots=True)
+class LiveState:
+    """What ``GET /kairos/state`` answers (as JSON) and ``kairos top`` shows."""
+
+    wall_s: float  # time.time() at the ingress
+    router: RouterLive
+    service: ServiceLive
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LiveState:
+        """The state back from its JSON (``dataclasses.asdict``) form."""
+        router, service = data["router"], data["service"]
+        nodes = tuple(NodeLive(**{**node, "role": Role(node["role"])}) for node in router["nodes"])
+        return cls(
+            wall_s=data["wall_s"],
+            router=RouterLive(router["policy"], router["window_s"], nodes),
+            service=ServiceLive(**service),
+        )

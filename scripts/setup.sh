@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv with Kairos-Ray, vLLM for CPU, NIXL, Ray Serve and the dev tools. Idempotent:
-# a second run with an unchanged pyproject.toml does nothing.
+# Create .venv with Kairos-Ray, vLLM for CPU, NIXL, Ray Serve and the dev tools (plus Chromium and tmux for
+# two tests, where apt-get may install them). Idempotent: a second run with an unchanged pyproject.toml does nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,6 +15,20 @@ stamp=.venv/.kairos-setup
 want=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
     exit 0
+fi
+
+# Headless Chromium (the dashboard's Serve page test) and tmux (the `kairos top` test) from the system's
+# packages, where this user may install them; without them those tests skip and say why.
+missing=()
+command -v chromium >/dev/null || missing+=(chromium)
+command -v tmux >/dev/null || missing+=(tmux)
+if (( ${#missing[@]} )) && command -v apt-get >/dev/null && [[ $(id -u) == 0 ]]; then
+    echo "setup: installing ${missing[*]} with apt-get"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null 2>&1 \
+        || { apt-get update -qq >/dev/null 2>&1 \
+             && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null 2>&1; } \
+        || echo "setup: could not install ${missing[*]}; the tests that need them will skip" >&2
 fi
 
 [[ -x .venv/bin/python ]] || "$PYTHON" -m venv .venv

@@ -8,17 +8,24 @@ replays a synthetic workload at each rate with the load generator, runs the
 simulator on the very same requests, and prints both summaries with the
 ratio of each figure, the rate the load generator achieved, and the CPU the
 serving path spent per streamed token (every Serve process of the app: proxy,
-ingress, router, engine replicas). Everything it started is shut down at the
-end.
+ingress, router, engine replicas). With ``--profile DIR``, py-spy samples each
+of those processes during the last rate's replay and the script prints where
+each spent its time (the functions on top of the stacks, and the busiest
+stacks' frames from this project, Ray and asyncio). Everything it started is
+shut down at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import ray
@@ -40,6 +47,36 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def start_spies(processes: list[Any], out: Path, seconds: float) -> list[tuple[str, subprocess.Popen[bytes], Path]]:
+    """One py-spy sampler per process, writing collapsed stacks (``--format raw``) under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    spy = Path(sys.executable).parent / "py-spy"
+    spies = []
+    for p in processes:
+        path = out / f"{p.name.replace('#', '-')}.txt"
+        command = [str(spy), "record", "--pid", str(p.pid), "--rate", "200", "--format", "raw", "--nonblocking",
+                   "--duration", str(int(seconds)), "--output", str(path)]  # fmt: skip
+        spies.append((p.name, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), path))
+    return spies
+
+
+def hot_spots(name: str, path: Path, top: int = 8) -> str:
+    """The functions on top of a process's sampled stacks (self time), as shares of its samples."""
+    leaves: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text().splitlines() if path.exists() else ():
+        stack, _, count = line.rpartition(" ")
+        frames = [f for f in stack.split(";") if f]
+        if not frames or not count.isdigit():
+            continue
+        total += int(count)
+        leaves[frames[-1]] += int(count)
+    lines = [f"py-spy {name}: {total} samples at 200 Hz while it ran (idle waits included)"]
+    for frame, count in leaves.most_common(top):
+        lines.append(f"  {100 * count / max(1, total):5.1f} %  {frame[:150]}")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="serve_configs/2p2d-emulated.yaml", help="a Serve config of the app")
@@ -47,6 +84,7 @@ def main() -> int:
     parser.add_argument("--workload", default="bursty")
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--profile", metavar="DIR", help="py-spy the serving processes during the last rate's replay")
     args = parser.parse_args()
     (application,) = yaml.safe_load(Path(args.config).read_text())["applications"]
     app_args = application["args"]
@@ -70,8 +108,12 @@ def main() -> int:
             time.sleep(1)
         processes = serving_processes("kairos")
         setup = SimSetup.from_config(kairos, None, 2, 2, args.seed)
-        for rps in (float(r) for r in args.rates.split(",")):
+        rates = [float(r) for r in args.rates.split(",")]
+        for rps in rates:
             workload = synthetic(args.workload, rps, args.requests, args.seed)
+            spies = []
+            if args.profile and rps == rates[-1]:
+                spies = start_spies(processes, Path(args.profile), workload.requests[-1].arrival_s + 30)
             before = {p: cpu_s(p.pid) for p in processes}
             own = own_cpu_s()
             result = asyncio.run(replay(url, model, workload))
@@ -87,6 +129,9 @@ def main() -> int:
             print(compare_rows(sim, live))
             print(f"serving path CPU {1e3 * spent / max(1, tokens):.3f} ms per streamed token ({tokens} tokens); "
                   f"load generator {1e3 * own / max(1, tokens):.3f} ms", flush=True)  # fmt: skip
+            for name, spy, path in spies:
+                spy.wait()
+                print(hot_spots(name, path))
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -18,7 +18,7 @@ def kairos(*args: str) -> subprocess.CompletedProcess[str]:
 def test_help_lists_the_commands():
     result = kairos("--help")
     assert result.returncode == 0
-    for command in ("demo", "config", "fit"):
+    for command in ("demo", "config", "fit", "top"):
         assert re.search(rf"^\s+{command}\s", result.stdout, re.M), command
 
 
@@ -43,6 +43,8 @@ def test_demo_under_pd_deflects_nothing():
         (("demo", "--policy", "fastest"), "unknown policy 'fastest'"),
         (("demo", "--requests", "0"), "must be >= 1, got 0"),
         (("config", "check", "no-such-file.yaml"), "no-such-file.yaml"),
+        (("top", "--once", "--url", "http://127.0.0.1:9"), "cannot read http://127.0.0.1:9/kairos/state"),
+        (("top", "--interval", "0"), "must be > 0, got 0"),
     ],
 )
 def test_bad_input_is_a_message_not_a_traceback(args, message):

@@ -9,6 +9,8 @@ import ray.autoscaler
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
+from kairos_ray.serve.args import AppArgs
+
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
 PAIRS = [("azure-1p1d.yaml", "1p1d.yaml"), ("azure-2p2d.yaml", "2p2d.yaml")]
@@ -33,6 +35,7 @@ def test_cluster_file_validates_offline(cluster):
 def test_node_groups_provide_what_the_pools_ask_for(cluster, serve_config):
     node_types = load(ROOT / "cluster" / cluster)["available_node_types"]
     (app,) = load(ROOT / "serve_configs" / serve_config)["applications"]
+    args = AppArgs.model_validate(app["args"])
     for pool_key, group, resource in (
         ("prefill_config", "prefill", "prefill_node"),
         ("decode_config", "decode", "decode_node"),
@@ -41,9 +44,12 @@ def test_node_groups_provide_what_the_pools_ask_for(cluster, serve_config):
         wanted = pool["ray_actor_options"]
         node = node_types[group]
         assert node["node_config"]["azure_arm_parameters"]["vmSize"] == "Standard_ND96amsr_A100_v4"
-        # one replica per VM: it fits on one node of its group and on no node of another group
+        # one replica per VM: its placement group fits on one node of its group and on no node of another group
         assert wanted["resources"] == {resource: 1} and node["resources"][resource] == 1
-        assert wanted["num_gpus"] <= node["resources"]["GPU"]
+        placement = getattr(args, pool_key).placement()
+        assert placement.strategy == "STRICT_PACK"
+        for key in {k for bundle in placement.bundles for k in bundle}:
+            assert sum(bundle.get(key, 0) for bundle in placement.bundles) <= node["resources"][key], key
         assert all(resource not in t["resources"] for n, t in node_types.items() if n != group)
         # enough nodes at start, and room for the pool's autoscaling
         scaling = app["args"][pool_key]["autoscaling"]

@@ -60,7 +60,7 @@ FAULTS = (
     "client-wave",
 )
 OUTCOMES = ("completed", "failed", "hung", "lost")
-FRESH_S = 2.0  # a node whose last report is older is not serving (engines report at least every second)
+FRESH_S = 5.0  # a node whose last report is older is not serving (the router forgets it then)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +93,7 @@ class Chaos:
         return states
 
     def whole(self) -> bool:
-        """Every node of both pools in the router's view, each with a report of the last two seconds."""
+        """Every node of both pools in the router's view, each with a report of the last five seconds."""
         states = self.states().values()
         fresh = all(time.time() - s.wall_s < FRESH_S for s in states)
         return fresh and Counter(s.role for s in states) == self.pools
@@ -172,21 +172,21 @@ class Chaos:
 
         if fault in ("decode-engine-kill", "prefill-engine-kill"):
             node = busiest(Role.DECODE if fault.startswith("decode") else Role.PREFILL)
-            pid = faults.kill_engine(self.app, node)
+            pid = await asyncio.to_thread(faults.kill_engine, self.app, node)
             return f"kill -9 {pid} ({node})"
         if fault == "engine-stop":
             node = busiest(Role.DECODE)
-            pid = faults.engine_pid(self.app, node)
+            pid = await asyncio.to_thread(faults.engine_pid, self.app, node)
             os.kill(pid, signal.SIGSTOP)
             await asyncio.sleep(self.stop_s)
             os.kill(pid, signal.SIGCONT)
             return f"SIGSTOP {pid} ({node}) for {self.stop_s:g} s"
         if fault in ("decode-replica-kill", "prefill-replica-kill", "kv-peer-kill"):
             node = busiest(Role.DECODE if fault.startswith("decode") else Role.PREFILL)
-            faults.kill_replica(self.app, node)
+            await asyncio.to_thread(faults.kill_replica, self.app, node)
             return f"ray.kill {node}"
         if fault == "router-kill":
-            faults.kill_replica(self.app, "Router")
+            await asyncio.to_thread(faults.kill_replica, self.app, "Router")
             return "ray.kill Router"
         if fault == "client-wave":
             async with httpx.AsyncClient(base_url=self.url, timeout=0.3) as client:

@@ -2,8 +2,9 @@
 
 Nodes are Serve replicas: node ``decode-abc`` is the replica actor
 ``SERVE_REPLICA::<app>#decode#abc`` in the ``serve`` namespace. A vLLM node's
-engine core is a child process of its replica (``VLLM::EngineCore``); an
-emulated node's engine is the replica itself. Everything here needs a Ray
+engine core is a process of its own, which the replica names
+(``EngineServer.engine_pids``); an emulated node's engine is the replica
+itself. Everything here needs a Ray
 connection (``ray.init(address=...)``) to the app's cluster, on the host of the
 processes it signals.
 """
@@ -14,7 +15,6 @@ import os
 import signal
 from typing import Any
 
-import psutil
 import ray
 
 from kairos_ray.serve.delivery import replica_of
@@ -49,23 +49,15 @@ def replica_pid(actor: Any) -> int:
     return pid
 
 
-def engine_core_pids(pid: int) -> list[int]:
-    """The vLLM engine core processes under a replica's process (none for an emulated engine)."""
-    return [p.pid for p in psutil.Process(pid).children(recursive=True) if "EngineCore" in _name(p)]
-
-
-def _name(process: psutil.Process) -> str:
-    try:
-        return " ".join([process.name(), *process.cmdline()[:1]])
-    except psutil.Error:
-        return ""
-
-
 def engine_pid(app: str, node_id: str) -> int:
     """The process that steps a node's engine: its vLLM engine core, or the replica itself (emulated)."""
-    pid = replica_pid(replica(app, node_id))
-    cores = engine_core_pids(pid)
-    return cores[0] if cores else pid
+    from ray import serve
+
+    pool = serve.get_deployment_handle(node_id.split("-", 1)[0], app_name=app)
+    pids: list[int] = pool.engine_pids.remote(node=node_id).result(timeout_s=60)
+    if not pids:
+        raise LookupError(f"{node_id} reports no engine process")
+    return pids[0]
 
 
 def kill_engine(app: str, node_id: str) -> int:

@@ -8,7 +8,9 @@ states from ``kairos_ray.scenarios``) keep fresh with reports at the engines'
 rate, then:
 
 - latency: decisions sent open loop at ``--rps``, each timed from the call to
-  its reply (p50, p99), with the reports going on;
+  its reply (p50, p99), with the reports going on (each acknowledging the
+  decisions made since the previous one, as engines do when they take a
+  request);
 - ceiling: ``--callers`` concurrent callers, each sending its next decision
   as soon as the last is answered, for ``--seconds``; decisions per second,
   one call per decision and in batches of ``--batch`` (``Router.decide_many``,
@@ -23,6 +25,7 @@ import itertools
 import random
 import statistics
 import time
+from dataclasses import replace
 
 import numpy as np
 import ray
@@ -43,11 +46,16 @@ def node_states(seed: int) -> list[NodeState]:
     return [NodeState(v, "bench", time.time()) for v in views]
 
 
+DECIDED: list[int] = []  # request ids decided since the last report: the next one acknowledges them
+
+
 async def keep_reporting(router: object, states: list[NodeState], interval_s: float) -> None:
-    """Each node reports every ``interval_s`` (with the live engines' default: 20 ms)."""
+    """Each node reports every ``interval_s``; the first one of a round acknowledges the decisions made since."""
     while True:
-        for state in states:
-            router.report.remote(state)  # type: ignore[attr-defined]
+        taken, DECIDED[:] = tuple(DECIDED), []
+        for i, state in enumerate(states):
+            report = replace(state, wall_s=time.time(), accepted_request_ids=taken if i == 0 else ())
+            router.report.remote(report)  # type: ignore[attr-defined]
         await asyncio.sleep(interval_s)
 
 
@@ -58,8 +66,10 @@ async def latency(router: object, rps: float, count: int, seed: int) -> list[flo
 
     async def one() -> None:
         start = time.perf_counter()
-        await router.decide.remote(DecisionRequest(next(ids), prompt_tokens(rng), 256))  # type: ignore[attr-defined]
+        rid = next(ids)
+        await router.decide.remote(DecisionRequest(rid, prompt_tokens(rng), 256))  # type: ignore[attr-defined]
         times.append(time.perf_counter() - start)
+        DECIDED.append(rid)
 
     tasks = []
     for _ in range(count):
@@ -83,6 +93,7 @@ async def ceiling(router: object, callers: int, seconds: float, batch: int, seed
                 await router.decide.remote(requests[0])  # type: ignore[attr-defined]
             else:
                 await router.decide_many.remote(requests)  # type: ignore[attr-defined]
+            DECIDED.extend(r.request_id for r in requests)
             done += batch
 
     start = time.monotonic()

@@ -56,6 +56,7 @@ class NodeSpec:
     options: EngineOptions = EngineOptions()
     model_source: str = ""  # vLLM: where the weights are
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)  # vLLM: engine arguments, as-is
+    engine_metrics: bool = False  # vLLM: export vLLM's own metrics as Ray metrics (ray_vllm_*)
     local_rank: int = 0  # this replica's rank among the pool's replicas on its host
     ray_node_id: str = ""  # the Ray node (host) of the replica
     app_name: str = "kairos"  # the Serve application (its engines share a staging directory per host)
@@ -101,6 +102,10 @@ class Engine(Protocol):
 
     def check_health(self) -> None:
         """Raise ``EngineUnhealthy`` if the engine died or has made no progress for ``stall_timeout_s``."""
+        ...
+
+    def engine_pids(self) -> list[int]:
+        """The processes that step this engine (a vLLM engine core; the replica itself for an emulated engine)."""
         ...
 
     async def shutdown(self) -> None:

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import itertools
 import math
+import os
 import time
 import zlib
 from collections.abc import AsyncIterator
@@ -118,6 +119,9 @@ class EmulatedEngine:
     async def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    def engine_pids(self) -> list[int]:
+        return [os.getpid()]  # the step loop runs in this process
 
     def check_health(self) -> None:
         """Raises ``EngineUnhealthy`` once the step loop has died (an emulated engine cannot stall on its own)."""

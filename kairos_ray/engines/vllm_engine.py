@@ -25,7 +25,12 @@ engine counts it. A deflected request carries its chunk schedule in
 With another P/D connector in the pool's ``engine_kwargs`` (vLLM's
 ``NixlConnector``, say), the prefill node's ``kv_transfer_params`` are the
 hand-off itself (``kv.nixl``) and the decode node's connector pulls the KV
-over that connector's own transport.
+over that connector's own transport. As in Ray Serve LLM, each NIXL engine
+gets its own side channel and an engine id unique across replicas.
+
+With ``engine_metrics`` (a pool's ``log_engine_metrics``), vLLM's own
+metrics are exported as Ray metrics (``ray_vllm_*``) by vLLM's
+``RayPrometheusStatLogger``, as Ray Serve LLM exports them.
 
 Live state: a stat logger runs after every step in this process; it records
 the step's measured time with its prefill tokens and batch size, and pushes
@@ -126,6 +131,7 @@ class VllmEngine:
         role: Role,
         model: str,
         engine_kwargs: Mapping[str, Any],
+        engine_metrics: bool = False,
         reporter: StateReporter | None = None,
         guard: dict[str, Any] | None = None,
         kv_timeout_s: float = 30.0,
@@ -150,6 +156,7 @@ class VllmEngine:
             node_id, host, kv_timeout_s, kv_channel, self.connector, on_taken=self._taken, secret=secret
         )
         self.llm: Any = None
+        self.engine_metrics = engine_metrics  # export vLLM's own metrics as Ray metrics (ray_vllm_*)
         self.kv_capacity_tokens = 0
         self.kv_recomputes = 0  # disaggregated requests whose KV never arrived: recomputed here
         self._queue: OrderedDict[int, int] = OrderedDict()  # prefill: request id -> prompt tokens, not yet prefilled
@@ -179,6 +186,7 @@ class VllmEngine:
             spec.role,
             spec.model_source,
             spec.engine_kwargs,
+            spec.engine_metrics,
             reporter=StateReporter(
                 spec.ray_node_id, model, spec.on_state, options.report_interval_s, options.report_refresh_s
             ),
@@ -198,16 +206,38 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        if self.connector == "NixlConnector" and "VLLM_NIXL_SIDE_CHANNEL_PORT" not in os.environ:
-            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())  # one per engine on a host
+        if self.connector == "NixlConnector":
+            self._nixl_identity()
         args = AsyncEngineArgs(**self.args)
-        self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger])
+        config = args.create_engine_config()
+        if config.parallel_config.distributed_executor_backend == "ray":  # as Ray Serve LLM: workers in our bundles
+            config.parallel_config.placement_group = ray.util.get_current_placement_group()
+        loggers: list[Any] = [self._stat_logger]
+        if self.engine_metrics:  # vLLM's metrics as Ray metrics, as Ray Serve LLM's log_engine_metrics exports them
+            from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+            loggers.append(RayPrometheusStatLogger)
+        self.llm = AsyncLLM.from_vllm_config(
+            config,
+            stat_loggers=loggers,
+            enable_log_requests=args.enable_log_requests,
+            disable_log_stats=args.disable_log_stats,
+        )
         cache = self.llm.vllm_config.cache_config
         self.kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
         if self.args.get("worker_extension_cls") == SEEDED_CHUNKS:
             await self.llm.collective_rpc("rewind_cpu_generators")
         self._progress_s = time.monotonic()
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+
+    def _nixl_identity(self) -> None:
+        """As Ray Serve LLM does: a side channel per engine on its host, and an engine id unique across replicas."""
+        os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+        os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_PORT", str(_free_port()))
+        kv_config = dict(self.args["kv_transfer_config"])
+        side_channel = (os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"], os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+        kv_config["engine_id"] = "-".join((str(kv_config.get("engine_id") or self.node_id), *side_channel))
+        self.args["kv_transfer_config"] = kv_config
 
     async def shutdown(self) -> None:
         for task in (self._heartbeat, self._ping):
@@ -246,6 +276,10 @@ class VllmEngine:
         self._unhealthy = f"{self.node_id}: {reason}"
         logger.error("%s; failing its requests in flight", self._unhealthy)
         self.llm.output_processor.propagate_error(EngineUnhealthy(self._unhealthy))
+
+    def engine_pids(self) -> list[int]:
+        manager = self.llm.engine_core.resources.engine_manager if self.llm is not None else None
+        return [int(p.pid) for p in getattr(manager, "processes", ()) if p.pid is not None]
 
     def check_health(self) -> None:
         if not self._unhealthy and self.llm is not None and self.llm.errored:

@@ -1,13 +1,17 @@
-"""The Kairos-Ray Ray Serve application: ``serve run serve_configs/2p2d-emulated.yaml``.
+"""The Kairos-Ray Ray Serve application: ``serve run serve_configs/2p2d-cpu.yaml``.
 
-``serve run serve_configs/2p2d-cpu.yaml`` runs the same application on four
-vLLM CPU engines, ``serve_configs/2p2d.yaml`` on A100 nodes.
+``serve run serve_configs/2p2d-emulated.yaml`` runs the same application on
+emulated engines, ``serve_configs/2p2d.yaml`` on A100 nodes; a Ray Serve LLM
+``build_pd_openai_app`` configuration runs as it is with
+``import_path: kairos_ray.serve:build_app`` (``serve.args``).
 
 ``build_app(args)`` wires an OpenAI-compatible ``Ingress``, one ``Router``
 replica and two ``EngineServer`` deployments, ``prefill`` and ``decode``, with
 one replica per node, pinned to its node group through the pool's
-``ray_actor_options`` (e.g. ``resources: {prefill_node: 1}``); with an
-``autoscaling`` section a pool grows and shrinks on Kairos's signals.
+``ray_actor_options`` (e.g. ``resources: {prefill_node: 1}``); a vLLM pool's
+replicas hold the placement group Ray Serve LLM would give them. With an
+``autoscaling`` section a pool grows and shrinks on Kairos's signals, with a
+``deployment_config.autoscaling_config`` on Serve's.
 """
 
 from __future__ import annotations
@@ -24,32 +28,32 @@ from kairos_ray.serve.ingress import Ingress
 from kairos_ray.serve.router import Router
 
 
-def _pool(
-    role: str,
-    pool: PoolConfig,
-    kairos: KairosConfig,
-    kairos_args: dict[str, Any],
-    serving: dict[str, Any],
-    router: Application,
-    app_secret: bytes,
-) -> Application:
-    """One deployment for the pool: a replica per node, routed per call to the chosen node."""
+def pool_options(role: str, pool: PoolConfig, kairos: KairosConfig) -> dict[str, Any]:
+    """The Serve options of the pool's deployment: a replica per node, routed per call to the chosen node."""
+    deployment = pool.deployment_config
+    actor: dict[str, Any] = {"num_cpus": 0, **deployment.ray_actor_options}
+    if pool.runtime_env:
+        actor["runtime_env"] = {**actor.get("runtime_env", {}), **pool.runtime_env}
     options: dict[str, Any] = {
-        "name": role,
-        "ray_actor_options": {"num_cpus": 0, **pool.deployment_config.ray_actor_options},
-        "max_ongoing_requests": pool.deployment_config.max_ongoing_requests,
+        "name": deployment.name or role,
+        "ray_actor_options": actor,
         "request_router_config": {"request_router_class": "kairos_ray.serve.delivery:ChosenNodeRouter"},
+        **deployment.serve_options(),
     }
-    if pool.accelerator_type:
-        options["ray_actor_options"]["accelerator_type"] = pool.accelerator_type
+    if pool.engine == "vllm":
+        placement = pool.placement()
+        options["placement_group_bundles"] = [dict(b) for b in placement.bundles]
+        options["placement_group_strategy"] = placement.strategy
+    elif pool.accelerator_type:
+        actor["accelerator_type"] = pool.accelerator_type
     scaling = pool.autoscaling
     if scaling is None:
-        options["num_replicas"] = pool.deployment_config.num_replicas
+        options.update(deployment.replicas())
     else:
         options["autoscaling_config"] = {
             "min_replicas": scaling.min_replicas,
             "max_replicas": scaling.max_replicas,
-            "initial_replicas": pool.deployment_config.num_replicas,
+            "initial_replicas": deployment.num_replicas or scaling.min_replicas,
             "look_back_period_s": scaling.look_back_period_s,
             # KairosPoolPolicy applies its own hold times and cooldown: Serve should act on its answer at once.
             "upscale_delay_s": 0.0,
@@ -63,7 +67,23 @@ def _pool(
                 },
             },
         }
-    pool_args = pool.model_dump(mode="json")
+    return options
+
+
+def _pool(
+    role: str,
+    pool: PoolConfig,
+    kairos: KairosConfig,
+    kairos_args: dict[str, Any],
+    serving: dict[str, Any],
+    router: Application,
+    app_secret: bytes,
+) -> Application:
+    """One deployment for the pool."""
+    options = pool_options(role, pool, kairos)
+    if pool.engine == "vllm" and pool.placement().gpu:  # vLLM's workers go into the GPU bundles, as Ray Serve LLM's
+        pool = pool.model_copy(update={"engine_kwargs": {"distributed_executor_backend": "ray", **pool.engine_kwargs}})
+    pool_args = pool.model_dump(mode="json", exclude_unset=True)
     return EngineServer.options(**options).bind(role, kairos_args, serving, router, pool_args, app_secret)
 
 
@@ -76,12 +96,13 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     secret = secrets.token_bytes(32)  # this application's engines prove it to each other (KV channel pairs)
     decode = args.decode_config
     vllm = decode.engine == "vllm"  # the ingress renders prompts as the decode engines will see them
-    return Ingress.bind(
+    ingress = Ingress.options(**args.ingress_deployment_config) if args.ingress_deployment_config else Ingress
+    return ingress.bind(
         router,
         _pool("prefill", args.prefill_config, args.kairos, kairos, serving, router, secret),
         _pool("decode", decode, args.kairos, kairos, serving, router, secret),
         decode.model_loading_config.model_id,
         serving,
         decode.model_loading_config.source if vllm else None,
-        dict(decode.engine_kwargs) if vllm else None,
+        decode.vllm_engine_kwargs() if vllm else None,  # its tokenizer and served name included
     )

@@ -1,17 +1,53 @@
-"""Arguments of ``kairos_ray.serve:build_app``, close to Ray Serve LLM's ``build_pd_openai_app``.
+"""Arguments of ``kairos_ray.serve:build_app``: Ray Serve LLM's ``build_pd_openai_app`` arguments, plus Kairos's.
 
-A Ray Serve LLM user switches by changing ``import_path`` and adding the
-``kairos`` section. Each pool's ``deployment_config.num_replicas`` is its
-number of nodes (its initial number with an ``autoscaling`` section).
+A Ray Serve LLM user switches by changing ``import_path`` alone. Each pool
+(``prefill_config``, ``decode_config``) takes what Ray Serve LLM's ``LLMConfig``
+takes; a vLLM pool is also checked with that very model (``ray.serve.llm``,
+which imports where vLLM does), an emulated pool with this module's models
+alone. On top of ``LLMConfig``: ``engine`` (``vllm``, the default, or
+``emulated``), ``autoscaling`` (scaling on Kairos's signals) and the app's
+``kairos`` and ``serving`` sections. Each replica of a pool is one node.
+
+What ``LLMConfig``'s fields mean here, as in Ray Serve LLM:
+
+- ``model_loading_config``: ``model_id`` is the name clients send;
+  ``model_source`` a path, a Hub name or a model shipped in
+  ``kairos_ray/models``; ``tokenizer_source`` the ingress's and vLLM's tokenizer.
+- ``engine_kwargs``: vLLM's engine arguments, as-is (``model`` and
+  ``served_model_name`` come from ``model_loading_config``).
+- ``accelerator_config``, ``placement_group_config``, ``accelerator_type``:
+  each replica's placement group, built by Ray Serve LLM's own code: a bundle
+  per vLLM worker (tensor x pipeline parallel) asking for the accelerator,
+  the replica's own ``ray_actor_options`` added to the first. On GPU bundles
+  vLLM runs its workers as Ray actors in them (``distributed_executor_backend:
+  ray``), on CPU ones inside the replica. An emulated pool's replica asks for
+  ``accelerator_type`` itself.
+- ``runtime_env``: the replicas' ``runtime_env`` (over
+  ``ray_actor_options.runtime_env``); vLLM's processes inherit it.
+- ``deployment_config``: the pool deployment's Serve options;
+  ``autoscaling_config`` is Serve's request-based autoscaling, with Ray Serve
+  LLM's default target.
+- ``log_engine_metrics``: vLLM's own metrics as Ray metrics (``ray_vllm_*``),
+  on by default.
+- ``llm_engine``: ``vLLM``, the only value Ray Serve LLM knows.
+
+Refused with the reason, never ignored: ``lora_config``, ``server_cls``,
+``experimental_configs``, ``callback_config``, a cloud ``model_source``,
+TPUs, vLLM's OpenAI front-end arguments in ``engine_kwargs``, and the
+``deployment_config`` options Kairos sets itself (``request_router_config``,
+``user_config``, ``placement_group_bundles`` / ``_strategy``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from ray.llm._internal.serve.constants import DEFAULT_MAX_TARGET_ONGOING_REQUESTS
+from ray.serve.config import AutoscalingConfig
 
 from kairos_ray.config import KairosConfig
 from kairos_ray.core import parse_spec
@@ -27,11 +63,33 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _refuse(data: Any, refused: dict[str, str]) -> Any:
+    """``data`` without the keys of ``refused`` left empty; a key given a value is an error naming it and why."""
+    if not isinstance(data, dict):
+        return data
+    given = [key for key in refused if data.get(key) not in (None, {}, [])]
+    if given:
+        raise ValueError("; ".join(f"{key}: {refused[key]}" for key in given))
+    return {key: value for key, value in data.items() if key not in refused}
+
+
 class ModelLoadingConfig(_Strict):
+    """Ray Serve LLM's ``model_loading_config``."""
+
     model_id: str = Field(description="name clients send as `model`")
     model_source: str | None = Field(
-        None, description="weights for vLLM: a path, a Hub name or a model shipped in kairos_ray/models (tiny-llama)"
+        None, description="weights: a path, a Hub name or a model shipped in kairos_ray/models (tiny-llama)"
     )
+    tokenizer_source: str | None = Field(None, description="tokenizer, if not the model's (a path or a Hub name)")
+
+    @field_validator("model_source", mode="before")
+    @classmethod
+    def _no_cloud_mirror(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            raise ValueError(
+                "cloud mirrors (bucket_uri) are not fetched by Kairos-Ray: download the weights and give their path"
+            )
+        return value
 
     @property
     def source(self) -> str:
@@ -40,13 +98,79 @@ class ModelLoadingConfig(_Strict):
         shipped = SHIPPED_MODELS / name
         return str(shipped) if not Path(name).exists() and shipped.is_dir() else name
 
+    @property
+    def tokenizer(self) -> str:
+        """Where the tokenizer comes from: ``tokenizer_source``, else the model's."""
+        return self.tokenizer_source or self.source
+
+
+DeploymentName = Annotated[str, Field(min_length=1)]
+
 
 class DeploymentConfig(_Strict):
-    num_replicas: int = Field(1, ge=1, description="nodes in this pool")
-    max_ongoing_requests: int = Field(1024, ge=1)
-    ray_actor_options: dict[str, Any] = Field(
-        default_factory=dict, description="e.g. {num_gpus: 8, resources: {prefill_node: 1}}"
+    """The pool deployment's Serve options (Ray Serve LLM's ``deployment_config``): a replica per node."""
+
+    name: DeploymentName | None = Field(None, description="deployment name (default: the pool's role)")
+    num_replicas: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
+        None, description="nodes in this pool (default 1; with an autoscaling section, its initial number)"
     )
+    max_ongoing_requests: int = Field(1024, ge=1)
+    max_queued_requests: int | None = None
+    max_replicas_per_node: int | None = Field(None, ge=1)
+    ray_actor_options: dict[str, Any] = Field(
+        default_factory=dict, description="the replica's own resources, e.g. {resources: {prefill_node: 1}}"
+    )
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Serve's request-based autoscaling (Kairos's own: the pool's autoscaling section)"
+    )
+    health_check_period_s: float | None = Field(None, gt=0)
+    health_check_timeout_s: float | None = Field(None, gt=0)
+    graceful_shutdown_wait_loop_s: float | None = Field(None, gt=0)
+    graceful_shutdown_timeout_s: float | None = Field(None, ge=0)
+    logging_config: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kairos_options(cls, data: Any) -> Any:
+        return _refuse(
+            data,
+            {
+                "request_router_config": "Kairos delivers each call to the node its router chose "
+                "(kairos_ray.serve.delivery)",
+                "user_config": "the engine servers take no user_config",
+                "placement_group_bundles": "set the pool's placement_group_config, as with Ray Serve LLM",
+                "placement_group_strategy": "set the pool's placement_group_config, as with Ray Serve LLM",
+            },
+        )
+
+    @field_validator("autoscaling_config")
+    @classmethod
+    def _serve_autoscaling(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            unknown = sorted(set(value) - set(AutoscalingConfig.model_fields))
+            if unknown:
+                raise ValueError(f"unknown autoscaling_config options {unknown}")
+            AutoscalingConfig.model_validate(value)
+        return value
+
+    @model_validator(mode="after")
+    def _replicas_or_autoscaling(self) -> DeploymentConfig:
+        if isinstance(self.num_replicas, int) and self.autoscaling_config is not None:
+            raise ValueError("give num_replicas or autoscaling_config, not both (as Serve requires)")
+        return self
+
+    def serve_options(self) -> dict[str, Any]:
+        """The Serve options given here that pass as they are (not name, replicas, actor options)."""
+        return self.model_dump(
+            exclude={"name", "num_replicas", "ray_actor_options", "autoscaling_config"}, exclude_none=True
+        )
+
+    def replicas(self) -> dict[str, Any]:
+        """Serve's ``num_replicas`` or ``autoscaling_config`` (Ray Serve LLM's default target filled in)."""
+        if self.autoscaling_config is not None:
+            ray_default = {"target_ongoing_requests": DEFAULT_MAX_TARGET_ONGOING_REQUESTS}
+            return {"autoscaling_config": {**ray_default, **self.autoscaling_config}}
+        return {"num_replicas": self.num_replicas or 1}
 
 
 class PoolAutoscaling(_Strict):
@@ -83,15 +207,48 @@ class PoolAutoscaling(_Strict):
         return self
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """The placement group of each replica of a vLLM pool, as Ray Serve LLM builds it."""
+
+    bundles: tuple[dict[str, float], ...]  # a bundle per vLLM worker; the first also holds the replica's own resources
+    strategy: str  # PACK, STRICT_PACK, SPREAD or STRICT_SPREAD
+    gpu: bool  # GPU bundles: vLLM runs its workers as Ray actors in them (distributed_executor_backend ray)
+
+
+VLLM_ONLY = ("engine_kwargs", "llm_engine", "accelerator_config", "placement_group_config", "log_engine_metrics")
+"""Pool fields that only vLLM engines use: an emulated pool that sets one is refused."""
+
+
 class PoolConfig(_Strict):
-    """One pool (prefill or decode): LLMConfig-like."""
+    """One pool (prefill or decode): Ray Serve LLM's ``LLMConfig`` plus ``engine`` and ``autoscaling``."""
 
     model_loading_config: ModelLoadingConfig
-    engine: str = Field("emulated", description=f"engine backend of every node: {', '.join(ENGINES)}")
+    engine: str = Field("vllm", description=f"engine backend of every node: {', '.join(ENGINES)}")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to vLLM as-is")
+    llm_engine: Literal["vLLM"] = "vLLM"
+    accelerator_type: str | None = Field(None, description="e.g. A100: replicas run on nodes with that accelerator")
+    accelerator_config: dict[str, Any] | None = Field(None, description="{kind: gpu | cpu} (default: inferred)")
+    placement_group_config: dict[str, Any] | None = Field(
+        None, description="{bundle_per_worker: {...}} or {bundles: [...]}, and a strategy (default PACK)"
+    )
+    runtime_env: dict[str, Any] | None = Field(None, description="the replicas' runtime_env (env_vars, ...)")
     deployment_config: DeploymentConfig = DeploymentConfig()
-    accelerator_type: str | None = None
+    log_engine_metrics: bool = Field(True, description="export vLLM's engine metrics as Ray metrics (ray_vllm_*)")
     autoscaling: PoolAutoscaling | None = Field(None, description="absent: a fixed num_replicas nodes")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        return _refuse(
+            data,
+            {
+                "lora_config": "LoRA adapters are not served by Kairos-Ray",
+                "server_cls": "every pool runs Kairos's engine server",
+                "experimental_configs": "Ray Serve LLM's experimental options do not apply to Kairos-Ray",
+                "callback_config": "model-initialization callbacks are not run by Kairos-Ray",
+            },
+        )
 
     @field_validator("engine")
     @classmethod
@@ -100,15 +257,91 @@ class PoolConfig(_Strict):
             raise ValueError(f"unknown engine; known: {', '.join(ENGINES)}")
         return value
 
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _model_from_loading_config(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key in ("model", "served_model_name"):
+            if key in value:
+                raise ValueError(f"{key} comes from model_loading_config, not engine_kwargs (as in Ray Serve LLM)")
+        if value.get("disable_log_stats"):
+            raise ValueError("disable_log_stats: Kairos needs vLLM's per-step stats for the router")
+        return value
+
     @model_validator(mode="after")
-    def _initial_within_bounds(self) -> PoolConfig:
-        scaling, initial = self.autoscaling, self.deployment_config.num_replicas
-        if scaling is not None and not scaling.min_replicas <= initial <= scaling.max_replicas:
-            raise ValueError(
-                f"deployment_config.num_replicas ({initial}) must lie within autoscaling "
-                f"[{scaling.min_replicas}, {scaling.max_replicas}]"
-            )
+    def _engine_fields(self) -> PoolConfig:
+        if self.engine != "vllm":
+            given = [f for f in VLLM_ONLY if f in self.model_fields_set]
+            if self.model_loading_config.tokenizer_source is not None:
+                given.append("model_loading_config.tokenizer_source")
+            if given:
+                raise ValueError(f"{', '.join(given)}: for vLLM engines; this pool runs {self.engine} engines")
+        scaling, replicas = self.autoscaling, self.deployment_config.num_replicas
+        if scaling is not None:
+            if self.deployment_config.autoscaling_config is not None or replicas == "auto":
+                raise ValueError(
+                    "autoscaling (Kairos's signals) and deployment_config.autoscaling_config or num_replicas: auto "
+                    "(Serve's) both scale the pool: keep one"
+                )
+            if replicas is not None and not scaling.min_replicas <= replicas <= scaling.max_replicas:
+                raise ValueError(
+                    f"deployment_config.num_replicas ({replicas}) must lie within autoscaling "
+                    f"[{scaling.min_replicas}, {scaling.max_replicas}]"
+                )
         return self
+
+    def vllm_engine_kwargs(self) -> dict[str, Any]:
+        """vLLM's arguments for a node: ``engine_kwargs``, the served name and tokenizer (as Ray Serve LLM)."""
+        kwargs = {"served_model_name": self.model_loading_config.model_id, **self.engine_kwargs}
+        if self.model_loading_config.tokenizer_source is not None:
+            kwargs.setdefault("tokenizer", self.model_loading_config.tokenizer_source)
+        return kwargs
+
+    def placement(self) -> Placement:
+        """A vLLM pool's placement group, from Ray Serve LLM's own ``LLMConfig``, which checks the pool first."""
+        try:
+            from ray.serve.llm import LLMConfig
+        except ImportError as exc:
+            raise ValueError(f"a vLLM pool needs Ray Serve LLM (ray.serve.llm), which does not import: {exc}") from exc
+        fields = self.model_dump(exclude={"engine", "autoscaling"}, exclude_unset=True)
+        try:
+            llm = LLMConfig.model_validate(fields)
+            engine = llm.get_engine_config()
+        except ValueError as exc:  # pydantic's ValidationError included
+            raise ValueError(f"Ray Serve LLM's LLMConfig refuses it: {exc}") from exc
+        kind = llm.accelerator_config.kind
+        if kind not in ("gpu", "cpu"):
+            raise ValueError(f"accelerator_config: kind {kind!r}: Kairos-Ray runs vLLM on GPUs or CPUs")
+        if engine.frontend_kwargs:
+            raise ValueError(
+                f"engine_kwargs {sorted(engine.frontend_kwargs)}: arguments of vLLM's OpenAI server, "
+                "which Kairos-Ray does not run (its ingress answers the OpenAI API)"
+            )
+        actor = self.deployment_config.ray_actor_options
+        own = {"CPU": actor.get("num_cpus", 0), "GPU": actor.get("num_gpus", 0), **actor.get("resources", {})}
+        if "memory" in actor:
+            own["memory"] = actor["memory"]
+        bundles = [dict(b) for b in engine.placement_bundles]
+        bundles[0] = {k: bundles[0].get(k, 0) + own.get(k, 0) for k in bundles[0].keys() | own.keys()}
+        bundles = [{k: v for k, v in b.items() if v} for b in bundles]
+        gpu = kind == "gpu"
+        executor = self.engine_kwargs.get("distributed_executor_backend", "ray")
+        if gpu and executor != "ray":
+            raise ValueError(
+                f"engine_kwargs.distributed_executor_backend {executor!r}: on GPUs vLLM's workers run as Ray actors "
+                "in the placement group (ray), as in Ray Serve LLM"
+            )
+        if gpu and len(bundles) > 1 and engine.placement_strategy != "STRICT_PACK" and not self.kv_connector:
+            raise ValueError(
+                f"placement_group_config.strategy {engine.placement_strategy}: Kairos's KV connector stages KV "
+                "on the replica's host, so a GPU pool's workers must share it (STRICT_PACK)"
+            )
+        return Placement(tuple(bundles), engine.placement_strategy, gpu)
+
+    @property
+    def kv_connector(self) -> str | None:
+        """The vLLM KV connector named in ``engine_kwargs`` (None: Kairos's own)."""
+        config = self.engine_kwargs.get("kv_transfer_config") or {}
+        return str(config["kv_connector"]) if "kv_connector" in config else None
 
 
 class ServingConfig(_Strict):
@@ -186,10 +419,20 @@ class ServingConfig(_Strict):
 
 
 class AppArgs(_Strict):
+    """``build_pd_openai_app``'s ``prefill_config`` and ``decode_config``, plus Kairos's sections."""
+
     prefill_config: PoolConfig
     decode_config: PoolConfig
     kairos: KairosConfig = KairosConfig()
     serving: ServingConfig = ServingConfig()
+    ingress_deployment_config: dict[str, Any] = Field(
+        default_factory=dict, description="Serve options of the ingress deployment (num_replicas, ...)"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ray_ingress(cls, data: Any) -> Any:
+        return _refuse(data, {"ingress_cls_config": "Kairos-Ray runs its own OpenAI ingress"})
 
     @model_validator(mode="after")
     def _pools_match(self) -> AppArgs:
@@ -213,4 +456,10 @@ class AppArgs(_Strict):
                 f"both pools must serve one model: prefill has {p_model.model_id!r} from {p_model.source!r}, "
                 f"decode {d_model.model_id!r} from {d_model.source!r}"
             )
+        if prefill.engine == "vllm":
+            for name, pool in (("prefill_config", prefill), ("decode_config", decode)):
+                try:
+                    pool.placement()
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from exc
         return self

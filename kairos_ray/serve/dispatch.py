@@ -45,6 +45,7 @@ from ray.serve.handle import DeploymentHandle
 from kairos_ray.core import Route
 from kairos_ray.messages import DecisionRequest, EngineRequest, KVHandoff, RoutingReply, TokenEvent, TTFTBreakdown
 from kairos_ray.serve.metrics import IngressMetrics
+from kairos_ray.serve.mux import RequestKey, StreamFailed, TokenMux
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -174,8 +175,10 @@ class Dispatcher:
         decode: DeploymentHandle,
         limits: ServingLimits,
         metrics: IngressMetrics,
+        listener: str,
     ) -> None:
         self.prefill, self.decode = prefill, decode
+        self.mux = TokenMux(decode, listener)  # tokens arrive over one subscription per decode node
         self.decisions = DecisionBatcher(router)
         self.limits = limits
         self.metrics = metrics
@@ -205,7 +208,10 @@ class RequestRun:
         self.sent: list[int] = []  # token ids the client has been sent
         self._avoid: list[str] = []  # nodes that failed this request
         self._calls: list[Any] = []  # remote calls of the current attempt, cancelled on close
-        self._stream: Any = None  # the decode node's token stream
+        self._queue: asyncio.Queue[list[TokenEvent] | StreamFailed] | None = None  # its tokens (serve.mux)
+        self._running: RequestKey | None = None  # the attempt running on ``_decode_node``
+        self._first: list[TokenEvent] | None = None  # a migration's first tokens, not yet given out
+        self._done = False  # the last token has come
         self._decode_node: str | None = None
         self._held: KVHandoff | None = None  # a hand-off whose KV the prefill node still holds
 
@@ -245,7 +251,6 @@ class RequestRun:
         decision = reply.decision
         avoid = tuple(self._avoid)
         pools = self.dispatcher
-        decode = pools.decode.options(stream=True)
         handoff = None
         if decision.route is Route.DEFLECT:
             request = dataclasses.replace(request, chunk_schedule=decision.chunk_schedule)
@@ -261,15 +266,21 @@ class RequestRun:
                 raise _NodeFailed(decision.prefill_node, exc) from exc
             self._held = handoff
         self._decode_node = decision.decode_node
-        self._stream = decode.generate.remote(request, handoff, node=decision.decode_node, avoid=avoid)
-        self._calls.append(self._stream)
+        key = (request.request_id, request.attempt)
+        mux = pools.mux
+        mux.expect(key)
+        self._running = key
+        call = pools.decode.start.remote(request, handoff, mux.listener, node=decision.decode_node, avoid=avoid)
+        self._calls.append(call)
         try:
-            first: list[TokenEvent] = await self._stream.__anext__()
+            node: str = await call
+            self._decode_node = node
+            self._queue = mux.open(key, node)
+            first = await self._next()
         except (asyncio.CancelledError, TimeoutError):
             raise
         except Exception as exc:
-            raise _NodeFailed(decision.decode_node, exc) from exc
-        self._decode_node = first[0].node_id
+            raise _NodeFailed(self._decode_node, exc) from exc
         self._release_kv()
         if self.route is None:  # the route the response reports: the first one that streamed
             self.route = self._taken(request, reply, handoff, first[0])
@@ -306,6 +317,15 @@ class RequestRun:
 
     # ---- after the first token -------------------------------------------------------------------
 
+    async def _next(self) -> list[TokenEvent]:
+        """The next tokens of the running attempt; raises ``StreamFailed``."""
+        assert self._queue is not None
+        item = await self._queue.get()
+        if isinstance(item, StreamFailed):
+            raise item
+        self._done = item[-1].finished
+        return item
+
     async def rest(self) -> AsyncIterator[list[TokenEvent]]:
         """The tokens after the first ones, as they come; migrates on decode failure or stall.
 
@@ -313,20 +333,23 @@ class RequestRun:
         """
         stall_s = self.limits.token_stall_timeout_s
         while True:
-            try:
-                async with asyncio.timeout(stall_s):  # a timer per wait, not a task per token
-                    ready: list[TokenEvent] = await self._stream.__anext__()
-            except StopAsyncIteration:
+            ready, self._first = self._first, None
+            if ready is None and self._done:
+                self._running = None  # done on its node: nothing to cancel there
                 return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                cause = f"no token for {stall_s:g} s" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}"
-                await self._migrate(cause)
-                continue
+            if ready is None:
+                try:
+                    async with asyncio.timeout(stall_s):  # a timer per wait, not a task per token
+                        ready = await self._next()
+                except asyncio.CancelledError:
+                    raise
+                except (StreamFailed, TimeoutError) as exc:
+                    await self._migrate(f"no token for {stall_s:g} s" if isinstance(exc, TimeoutError) else str(exc))
+                    continue
             self.sent += [event.token_id for event in ready]
             yield ready
             if ready[-1].finished:
+                self._running = None  # done on its node: nothing to cancel there
                 return
 
     async def _migrate(self, cause: str) -> None:
@@ -354,7 +377,7 @@ class RequestRun:
                 if failed is not None and failed not in self._avoid:
                     self._avoid.append(failed)
                 continue
-            self._stream = _prepend(first, self._stream)
+            self._first = first
             return
         raise StreamBroken(f"decode failed after {len(self.sent)} tokens and {self.migrations} migrations ({cause})")
 
@@ -389,10 +412,10 @@ class RequestRun:
         for call in self._calls:
             call.cancel()
         self._calls = []
+        if self._running is not None:
+            request_id, attempt = self._running
+            self.dispatcher.decode.cancel.remote(request_id, attempt, node=self._decode_node)
+            self.dispatcher.mux.close(self._running)
+            self._running = None
+        self._queue = None
         self._release_kv()
-
-
-async def _prepend(first: list[TokenEvent], rest: Any) -> AsyncIterator[list[TokenEvent]]:
-    yield first
-    async for ready in rest:
-        yield ready

@@ -10,6 +10,7 @@ its engine's state to the router and reports Kairos's autoscaling signals
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,10 +23,12 @@ from kairos_ray.config import KairosConfig, resolve_profile
 from kairos_ray.core import PrefillNodeView
 from kairos_ray.core.estimate import queue_wait_exact_s
 from kairos_ray.engines import NodeSpec, build_engine
-from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role, TokenEvent
+from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role, TokenBatch
 from kairos_ray.serve.args import PoolConfig, ServingConfig
 from kairos_ray.serve.autoscaling import KV_FREE_SHARE, PREFILL_WAIT, TBT_HEADROOM
+from kairos_ray.serve.mux import Outbox, RequestKey
 
+SUBSCRIPTION_IDLE_S = 2.0  # a token subscription with nothing to carry for this long ends (serve.mux)
 HEALTH_CHECK_PERIOD_S = 2.0  # Serve asks every replica this often whether its engine is healthy
 HEALTH_CHECK_TIMEOUT_S = 20.0  # a replica that does not answer in time (its process hung) is replaced
 
@@ -57,6 +60,8 @@ class EngineServer:
         self.policy = config.build_policy()
         self.router = router
         self._reports: deque[Any] = deque(maxlen=32)
+        self._outboxes: dict[str, Outbox] = {}  # ingress replica -> the tokens waiting for its next item
+        self._runs: dict[RequestKey, asyncio.Task[None]] = {}  # (request id, attempt) -> its generation here
         spec = NodeSpec(
             node_id=self.node_id,
             role=Role(role),
@@ -65,7 +70,8 @@ class EngineServer:
             prefill_chunk_tokens=config.prefill_chunk_tokens,
             options=options.engine_options(),
             model_source=pool_config.model_loading_config.source,
-            engine_kwargs=pool_config.engine_kwargs,
+            engine_kwargs=pool_config.vllm_engine_kwargs(),
+            engine_metrics=pool_config.log_engine_metrics,
             local_rank=context.rank.local_rank,
             ray_node_id=ray.get_runtime_context().get_node_id(),
             app_name=context.app_name,
@@ -92,15 +98,80 @@ class EngineServer:
     async def release(self, request_id: int, node: str | None = None) -> None:
         self.engine.release(request_id)
 
-    async def generate(
-        self, request: EngineRequest, handoff: KVHandoff | None, node: str | None = None, avoid: tuple[str, ...] = ()
-    ) -> AsyncIterator[list[TokenEvent]]:
-        async for ready in self.engine.generate(request, handoff):
-            yield ready
+    # Decode nodes stream tokens over one subscription per ingress replica (``serve.mux``).
+
+    async def start(
+        self,
+        request: EngineRequest,
+        handoff: KVHandoff | None,
+        listener: str,
+        node: str | None = None,
+        avoid: tuple[str, ...] = (),
+    ) -> str:
+        """Start generating ``request`` (from ``handoff``'s KV, or deflected) for ``listener``; this node's id.
+
+        Its tokens go out on ``listener``'s subscription to this node.
+        """
+        outbox = self._outbox(listener)
+        key = (request.request_id, request.attempt)
+        run = asyncio.get_running_loop().create_task(self._run(request, handoff, outbox, key))
+        self._runs[key] = run
+        outbox.runs.add(key)
+
+        def done(_: asyncio.Task[None]) -> None:
+            self._runs.pop(key, None)
+            outbox.runs.discard(key)
+
+        run.add_done_callback(done)
+        return self.node_id
+
+    async def _run(self, request: EngineRequest, handoff: KVHandoff | None, outbox: Outbox, key: RequestKey) -> None:
+        try:
+            async for ready in self.engine.generate(request, handoff):
+                outbox.put(key, ready)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the ingress runs it elsewhere: tell it why
+            outbox.fail(key, f"{type(exc).__name__}: {exc}")
+
+    def _outbox(self, listener: str) -> Outbox:
+        return self._outboxes.setdefault(listener, Outbox())
+
+    async def cancel(self, request_id: int, attempt: int, node: str | None = None) -> None:
+        """The request's client went away (or it moved on): stop generating it here."""
+        run = self._runs.get((request_id, attempt))
+        if run is not None:
+            run.cancel()
+
+    async def subscribe(self, listener: str, node: str | None = None) -> AsyncIterator[TokenBatch]:
+        """The tokens of ``listener``'s requests on this node, a batch per item, while it listens and they run.
+
+        It ends once idle (no request of the listener here, nothing sent for
+        ``SUBSCRIPTION_IDLE_S``): an open call would keep this replica from
+        draining, and the listener may be gone. The listener subscribes
+        again with its next request here; tokens wait in the outbox meanwhile.
+        """
+        if node is not None and node != self.node_id:
+            raise LookupError(f"{node} is gone (this is {self.node_id})")
+        outbox = self._outbox(listener)
+        try:
+            while (batch := await outbox.take(SUBSCRIPTION_IDLE_S)) is not None:
+                yield batch
+        finally:  # idle, or the listener has gone: no one will read what its requests make here
+            for key in list(outbox.runs):
+                run = self._runs.get(key)
+                if run is not None:
+                    run.cancel()
+            if self._outboxes.get(listener) is outbox:
+                del self._outboxes[listener]
 
     def check_health(self) -> None:
         """Serve's health check: an engine that died or stalled fails it, and Serve replaces this replica."""
         self.engine.check_health()
+
+    async def engine_pids(self, node: str | None = None) -> list[int]:
+        """The processes that step this node's engine (for fault injection: ``bench.faults``)."""
+        return self.engine.engine_pids()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Kairos's signals for ``serve.autoscaling.KairosPoolPolicy``, from this node's own view."""

@@ -32,6 +32,7 @@ import itertools
 import json
 import logging
 import random
+import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -46,6 +47,7 @@ from kairos_ray.serve.admission import Admission, GuardedStream
 from kairos_ray.serve.args import ServingConfig
 from kairos_ray.serve.auth import ApiKeys
 from kairos_ray.serve.dispatch import Dispatcher, RequestFailed, RequestRun, ServingLimits, StreamBroken
+from kairos_ray.serve.live import live_state
 from kairos_ray.serve.metrics import IngressMetrics
 from kairos_ray.serve.protocol import PreparedRequest, RequestError, error_body
 from kairos_ray.serve.responses import ResponseWriter, route_headers
@@ -105,7 +107,9 @@ class Ingress:
             opts.max_attempts,
             opts.max_migrations,
         )
-        self.dispatcher = Dispatcher(router, prefill, decode, limits, self.metrics)
+        self.router = router
+        listener = f"{serve.get_replica_context().replica_id.unique_id}-{secrets.token_hex(4)}"
+        self.dispatcher = Dispatcher(router, prefill, decode, limits, self.metrics, listener)
 
     # ---- plain endpoints -------------------------------------------------------------------
 
@@ -127,6 +131,16 @@ class Ingress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, chat=True)
+
+    @app.get("/kairos/state")
+    async def kairos_state(self, request: Request) -> Response:
+        """The live view ``kairos top`` shows: ``messages.LiveState`` as JSON (503 if the router does not answer)."""
+        if not self.keys.allows(request.headers.get("authorization")):
+            return self._unauthorized()
+        try:
+            return JSONResponse(await live_state(self.router, self.metrics.window))
+        except Exception as exc:  # whatever keeps the router from answering
+            return _error(503, f"the router did not answer: {type(exc).__name__}: {exc}")
 
     # ---- one request -------------------------------------------------------------------------
 

@@ -18,14 +18,21 @@
 | kairos_kv_recomputes | gauge | node | decode node: hand-offs whose KV was lost or late, recomputed (cumulative) |
 | kairos_predictor_mape | gauge | | live error of the step-latency model on recent reported steps (online refit on) |
 | kairos_predictor_refits | counter | | refits the router adopted |
+
+Both metric sets also feed the live view's windows (``serve.live``): the
+router's decisions and reported steps, the ingress's TTFT, TBT, fallbacks and
+rejections.
 """
 
 from __future__ import annotations
+
+import time
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from kairos_ray.core import Decision, PrefillNodeView, Route
 from kairos_ray.messages import NodeState
+from kairos_ray.serve.live import IngressWindow, RouterWindow, Window
 
 LATENCY_BOUNDARIES = [1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05]
 SECONDS_BOUNDARIES = [0.01, 0.02, 0.05, 0.07, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
@@ -55,8 +62,10 @@ class RouterMetrics:
         )
         self.mape = Gauge("kairos_predictor_mape", "step-latency model error on recent reported steps")
         self.refits = Counter("kairos_predictor_refits", "step-latency refits adopted")
+        self.window = RouterWindow()
 
     def decided(self, decision: Decision, decision_s: float, staleness_s: float) -> None:
+        self.window.decided(time.monotonic(), decision)
         self.decisions.inc(tags={"route": decision.route.value, "reason": reason_kind(decision)})
         self.latency.observe(decision_s)
         self.staleness.observe(staleness_s)
@@ -65,6 +74,7 @@ class RouterMetrics:
         self.mape.set(mape)
 
     def node(self, state: NodeState) -> None:
+        self.window.reported(time.monotonic(), state)
         tags = {"node": state.node_id}
         view = state.view
         if isinstance(view, PrefillNodeView):
@@ -80,13 +90,56 @@ class RouterMetrics:
             self.step.set(step.predicted_s, tags={**tags, "source": "predicted"})
 
 
+class _Windowed:
+    """A Ray metric whose every observation also goes to a live-view window, keyed by one of its tags."""
+
+    def __init__(self, window: Window[float], key_tag: str) -> None:
+        self.window, self.key_tag = window, key_tag
+
+    def _add(self, value: float, tags: dict[str, str]) -> None:
+        self.window.add(time.monotonic(), tags.get(self.key_tag, ""), value)
+
+
+class _WindowedHistogram(_Windowed):
+    def __init__(self, metric: Histogram, window: Window[float], key_tag: str) -> None:
+        super().__init__(window, key_tag)
+        self.metric = metric
+
+    def observe(self, value: float, tags: dict[str, str]) -> None:
+        self.metric.observe(value, tags=tags)
+        self._add(value, tags)
+
+
+class _WindowedCounter(_Windowed):
+    def __init__(self, metric: Counter, window: Window[float], key_tag: str) -> None:
+        super().__init__(window, key_tag)
+        self.metric = metric
+
+    def inc(self, tags: dict[str, str]) -> None:
+        self.metric.inc(tags=tags)
+        self._add(1.0, tags)
+
+
 class IngressMetrics:
     def __init__(self) -> None:
-        self.ttft = Histogram("kairos_ttft_seconds", "time to first token", SECONDS_BOUNDARIES, tag_keys=("route",))
-        self.tbt = Histogram(
-            "kairos_tbt_seconds", "gaps between streamed tokens", SECONDS_BOUNDARIES, tag_keys=("route",)
+        self.window = IngressWindow()
+        self.ttft = _WindowedHistogram(
+            Histogram("kairos_ttft_seconds", "time to first token", SECONDS_BOUNDARIES, tag_keys=("route",)),
+            self.window.ttft,
+            "route",
         )
-        self.fallbacks = Counter("kairos_decisions", "routing decisions", tag_keys=("route", "reason"))  # type: ignore[arg-type]
-        self.rejected = Counter("kairos_rejected", "requests refused", tag_keys=("reason",))
+        self.tbt = _WindowedHistogram(
+            Histogram("kairos_tbt_seconds", "gaps between streamed tokens", SECONDS_BOUNDARIES, tag_keys=("route",)),
+            self.window.tbt,
+            "route",
+        )
+        self.fallbacks = _WindowedCounter(
+            Counter("kairos_decisions", "routing decisions", tag_keys=("route", "reason")),  # type: ignore[arg-type]
+            self.window.fallbacks,
+            "route",
+        )
+        self.rejected = _WindowedCounter(
+            Counter("kairos_rejected", "requests refused", tag_keys=("reason",)), self.window.rejections, "reason"
+        )
         self.retries = Counter("kairos_retries", "requests re-run after a node failed", tag_keys=("stage",))
         self.deadlines = Counter("kairos_deadlines", "requests ended by a deadline", tag_keys=("deadline",))

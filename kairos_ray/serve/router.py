@@ -34,7 +34,7 @@ from ray import serve
 
 from kairos_ray.config import KairosConfig
 from kairos_ray.core import ClusterView, Decision, DecodeNodeView, Policy, PrefillNodeView, apply_decision
-from kairos_ray.messages import DecisionRequest, NodeState, RoutingReply
+from kairos_ray.messages import DecisionRequest, NodeState, RouterLive, RoutingReply
 from kairos_ray.serve.metrics import RouterMetrics
 from kairos_ray.serve.refit import OnlineRefit
 
@@ -56,17 +56,26 @@ class _Pending:
 
 
 class RouterState:
+    """The router's view: the nodes' last reports plus its ledger of decisions no engine has acknowledged.
+
+    The view with the ledger applied is kept between decisions and updated by
+    each decision (``apply_decision``: O(1) per decision); a report, a node
+    that falls silent or a ledger entry that expires rebuilds it (O(ledger)).
+    """
+
     def __init__(self, policy: Policy, pending_ttl_s: float = 2.0, node_timeout_s: float = 5.0) -> None:
         self.policy = policy
         self.pending_ttl_s, self.node_timeout_s = pending_ttl_s, node_timeout_s
         self.states: dict[str, NodeState] = {}  # node id -> its last report
         self.received: dict[str, float] = {}  # node id -> monotonic time of its last report
-        self.pending: dict[int, _Pending] = {}  # request id -> its undelivered decision
+        self.pending: dict[int, _Pending] = {}  # request id -> its undelivered decision, oldest first
+        self._view: ClusterView | None = None  # reports + ledger, while nothing changed but decisions
 
     def report(self, state: NodeState, now: float) -> None:
         """Take a node's report; a node that reports itself unhealthy leaves the view at once."""
         for rid in state.accepted_request_ids:
             self.pending.pop(rid, None)
+        self._view = None
         if not state.healthy:
             self.states.pop(state.node_id, None)
             self.received.pop(state.node_id, None)
@@ -77,21 +86,38 @@ class RouterState:
     def forget_silent_nodes(self, now: float) -> None:
         for node in [n for n, seen in self.received.items() if now - seen > self.node_timeout_s]:
             del self.states[node], self.received[node]
+            self._view = None
+
+    def _expire(self, now: float) -> None:
+        """Drop ledger entries no engine acknowledged within ``pending_ttl_s`` (oldest first)."""
+        while self.pending:
+            rid, oldest = next(iter(self.pending.items()))
+            if now - oldest.decided_s <= self.pending_ttl_s:
+                return
+            del self.pending[rid]
+            self._view = None
 
     def view(self, now: float, avoid: Collection[str] = ()) -> tuple[ClusterView, float]:
         """(view, staleness in seconds of the oldest report in it), without the nodes in ``avoid``."""
         self.forget_silent_nodes(now)
-        views = [self.states[node].view for node in sorted(self.states) if node not in avoid]
-        prefill = tuple(v for v in views if isinstance(v, PrefillNodeView))
-        decode = tuple(v for v in views if isinstance(v, DecodeNodeView))
-        if not prefill or not decode:
-            raise MissingState(f"{len(prefill)} prefill and {len(decode)} decode nodes have reported")
-        view = ClusterView(prefill, decode)
-        for rid, pending in list(self.pending.items()):
-            if now - pending.decided_s > self.pending_ttl_s:
-                del self.pending[rid]
-            else:
+        self._expire(now)
+        if self._view is None:
+            views = [self.states[node].view for node in sorted(self.states)]
+            view = ClusterView(
+                tuple(v for v in views if isinstance(v, PrefillNodeView)),
+                tuple(v for v in views if isinstance(v, DecodeNodeView)),
+            )
+            for pending in self.pending.values():
                 view = apply_decision(view, pending.prompt_tokens, pending.decision, pending.output_tokens)
+            self._view = view
+        view = self._view
+        if avoid:
+            view = ClusterView(
+                tuple(v for v in view.prefill if v.node_id not in avoid),
+                tuple(v for v in view.decode if v.node_id not in avoid),
+            )
+        if not view.prefill or not view.decode:
+            raise MissingState(f"{len(view.prefill)} prefill and {len(view.decode)} decode nodes have reported")
         return view, now - min(self.received.values())
 
     def decide(
@@ -100,7 +126,11 @@ class RouterState:
         """(decision, staleness) on the nodes not in ``avoid``; raises ``MissingState`` while a pool has none."""
         view, staleness = self.view(now, avoid)
         decision = self.policy.decide(prompt_tokens, view)
+        if self.pending.pop(request_id, None) is not None:  # a retry replaces its request's earlier entry
+            self._view = None
         self.pending[request_id] = _Pending(prompt_tokens, output_tokens, decision, now)
+        if self._view is not None:
+            self._view = apply_decision(self._view, prompt_tokens, decision, output_tokens)
         return decision, staleness
 
 
@@ -156,6 +186,13 @@ class Router:
             self.model = result.model
             self.state.policy = self.config.build_policy(self.state.policy.spec, model=self.model)
             self.metrics.refits.inc()
+
+    async def live(self) -> RouterLive:
+        """Every live node's last report and the last minute's steps and decisions (``serve.live``)."""
+        now = time.monotonic()
+        self.state.forget_silent_nodes(now)
+        states = {node: (state, self.state.received[node]) for node, state in self.state.states.items()}
+        return self.metrics.window.live(self.state.policy.spec, states, now)
 
     async def snapshot(self) -> dict[str, NodeState]:
         """The last state of every live node (for tests and debugging)."""

@@ -1,13 +1,17 @@
 """One real local Ray cluster with the two node-group resources, and a Kairos app on it, per module."""
 
 import contextlib
+import re
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 import ray
 from ray import serve
+from ray.serve._private.api import serve_start
+from ray.serve.schema import ServeDeploySchema
 
 from kairos_ray.serve import build_app
 
@@ -36,19 +40,37 @@ def app_args(**serving):
 
 
 @contextlib.contextmanager
-def running_app(args: dict, model: str, ready_within_s: float):
-    """(base URL, metrics URL) of the app ``args`` on a fresh local Ray; everything is shut down afterwards."""
+def running_app(
+    args: dict | None,
+    model: str,
+    ready_within_s: float,
+    *,
+    config: dict | None = None,
+    dashboard_port: int | None = None,
+    num_cpus: int = 2,
+):
+    """(base URL, metrics URL) of the app on a fresh local Ray; everything is shut down afterwards.
+
+    The app is ``build_app(args)``, or the Serve config ``config`` deployed as ``serve run config.yaml`` does.
+    With ``dashboard_port``, Ray's dashboard listens there on 127.0.0.1.
+    """
     http_port, metrics_port = free_port(), free_port()
     ray.init(
         address="local",  # a Ray of its own, even where `ray start` runs another on this machine
-        num_cpus=2,
+        num_cpus=num_cpus,
         resources={"prefill_node": 2, "decode_node": 2},
-        include_dashboard=False,
+        include_dashboard=dashboard_port is not None,
+        dashboard_host="127.0.0.1",
+        dashboard_port=dashboard_port,
         _metrics_export_port=metrics_port,
     )
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        serve.run(build_app(args), name="kairos", route_prefix="/")
+        if config is None:
+            serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+            serve.run(build_app(args), name="kairos", route_prefix="/")
+        else:
+            client = serve_start(http_options={"host": "127.0.0.1", "port": http_port})
+            client.deploy_apps(ServeDeploySchema.model_validate(config))
         url = f"http://127.0.0.1:{http_port}"
         deadline = time.monotonic() + ready_within_s
         while time.monotonic() < deadline:  # until every engine has reported to the router
@@ -67,6 +89,26 @@ def running_app(args: dict, model: str, ready_within_s: float):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "cluster" / "grafana" / "kairos-dashboard.json"
+
+
+def dashboard_series(prefix: str) -> list[str]:
+    """The series the Grafana dashboard queries whose names start with ``prefix`` (ray_kairos_, ray_vllm_)."""
+    return sorted(set(re.findall(rf"{prefix}\w+", DASHBOARD.read_text())))
+
+
+def wait_for_series(metrics_url: str, names: list[str], within_s: float = 90) -> str:
+    """The metrics page once it shows every series of ``names`` (fails naming the missing ones)."""
+    deadline, missing = time.monotonic() + within_s, names
+    while time.monotonic() < deadline:
+        text = httpx.get(metrics_url, timeout=10).text
+        missing = [m for m in names if m not in text]
+        if not missing:
+            return text
+        time.sleep(2)
+    pytest.fail(f"not on {metrics_url}: {missing}")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from kairos_ray.engines.emulated import VOCAB, token_id
 from kairos_ray.messages import Role
 from kairos_ray.serve import build_app
 
-from .conftest import MODEL, app_args
+from .conftest import MODEL, app_args, dashboard_series, wait_for_series
 
 
 def completion(url, **body):
@@ -168,18 +168,9 @@ def test_overload_answers_429_with_retry_after_and_loses_nothing(live_app):
 def test_metrics_reach_the_prometheus_endpoint_and_cover_the_dashboard(live_app):
     url, metrics_url = live_app
     completion(url, prompt=list(range(1000)), max_tokens=4)
-    dashboard = (Path(__file__).resolve().parents[2] / "cluster" / "grafana" / "kairos-dashboard.json").read_text()
-    queried = set(re.findall(r"ray_kairos_\w+", dashboard))
+    queried = dashboard_series("ray_kairos_")  # the vLLM engines' ray_vllm_* series: test_ray_llm_config.py
     assert len(queried) >= 10
-    wanted = sorted(queried)
-    deadline, missing = time.monotonic() + 90, wanted
-    while time.monotonic() < deadline:
-        text = httpx.get(metrics_url, timeout=10).text
-        missing = [m for m in wanted if m not in text]
-        if not missing:
-            break
-        time.sleep(2)
-    assert not missing
+    text = wait_for_series(metrics_url, queried)
     assert 'route="prefill"' in text and 'node="decode-' in text
 
 

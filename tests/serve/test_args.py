@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 from pydantic import ValidationError
+from ray.llm._internal.serve.constants import DEFAULT_MAX_TARGET_ONGOING_REQUESTS
 
-from kairos_ray.serve import build_app
+from kairos_ray.serve import build_app, pool_options
 from kairos_ray.serve.args import AppArgs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "serve_configs"
@@ -35,7 +36,9 @@ def test_production_configs_name_a100_nodes_and_build(name):
     for pool in (args.prefill_config, args.decode_config):
         assert pool.engine == "vllm" and pool.accelerator_type == "A100"
         assert pool.engine_kwargs["tensor_parallel_size"] == 8
-        assert pool.deployment_config.ray_actor_options["num_gpus"] == 8
+        placement = pool.placement()  # as Ray Serve LLM places it: a GPU bundle per tensor-parallel worker
+        assert placement.gpu and placement.strategy == "STRICT_PACK" and len(placement.bundles) == 8
+        assert all(b["GPU"] == 1 and b["accelerator_type:A100"] > 0 for b in placement.bundles)
     assert build_app(args) is not None  # the application graph builds; its replicas need the GPU nodes
 
 
@@ -87,3 +90,113 @@ def test_engines_come_from_the_registry():
     args["decode_config"]["engine"] = args["prefill_config"]["engine"] = "tgi"
     with pytest.raises(ValidationError, match="unknown engine; known: emulated, vllm"):
         AppArgs.model_validate(args)
+
+
+def test_omitting_engine_gives_vllm_engines_and_emulated_is_chosen_explicitly():
+    args = args_of("2p2d-cpu.yaml")
+    for pool in ("prefill_config", "decode_config"):
+        del args[pool]["engine"]
+    parsed = AppArgs.model_validate(args)
+    assert parsed.prefill_config.engine == parsed.decode_config.engine == "vllm"
+    emulated = args_of("2p2d-emulated.yaml")
+    assert {emulated[p]["engine"] for p in ("prefill_config", "decode_config")} == {"emulated"}
+    emulated["decode_config"]["engine_kwargs"] = {"max_model_len": 4096}
+    with pytest.raises(ValidationError, match="engine_kwargs: for vLLM engines; this pool runs emulated engines"):
+        AppArgs.model_validate(emulated)
+
+
+def ray_llm_pool(**fields) -> dict:
+    """A vLLM pool as a Ray Serve LLM LLMConfig writes it, on CPU bundles."""
+    return {
+        "model_loading_config": {"model_id": "tiny-llama", "model_source": "tiny-llama"},
+        "accelerator_config": {"kind": "cpu"},
+        **fields,
+    }
+
+
+def pools(**fields) -> dict:
+    return {"prefill_config": ray_llm_pool(**fields), "decode_config": ray_llm_pool(**fields)}
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"lora_config": {"max_num_adapters_per_replica": 2}}, "lora_config: LoRA adapters are not served"),
+        ({"server_cls": "ray.serve.llm:LLMServer"}, "server_cls: every pool runs Kairos's engine server"),
+        ({"experimental_configs": {"num_ingress_replicas": 2}}, "experimental_configs: "),
+        ({"deployment_config": {"request_router_config": {"request_router_class": "x:Y"}}}, "request_router_config"),
+        ({"deployment_config": {"user_config": {"a": 1}}}, "user_config: the engine servers take no user_config"),
+        ({"deployment_config": {"placement_group_bundles": [{"CPU": 1}]}}, "set the pool's placement_group_config"),
+        ({"deployment_config": {"autoscaling_config": {"min_replicas": 1, "wrong": 2}}}, r"options \['wrong'\]"),
+        ({"deployment_config": {"num_replicas": 2, "autoscaling_config": {"max_replicas": 2}}}, "not both"),
+        ({"model_loading_config": {"model_id": "m", "model_source": {"bucket_uri": "s3://b/m"}}}, "cloud mirrors"),
+        ({"engine_kwargs": {"model": "other"}}, "model comes from model_loading_config"),
+        ({"engine_kwargs": {"disable_log_stats": True}}, "Kairos needs vLLM's per-step stats"),
+        ({"engine_kwargs": {"enable_auto_tool_choice": True}}, r"\['enable_auto_tool_choice'\]: arguments of vLLM's"),
+        ({"engine_kwargs": {"no_such_argument": 1}}, "Unknown engine argument: no_such_argument"),
+        ({"accelerator_type": "H999"}, "Unsupported accelerator type: H999"),
+        ({"accelerator_type": "A100"}, "cannot be used with CPU-only configurations"),
+        ({"accelerator_config": {"kind": "tpu"}}, "kind 'tpu': Kairos-Ray runs vLLM on GPUs or CPUs"),
+        ({"llm_engine": "SGLang"}, "llm_engine"),
+        ({"replicas": 2}, "replicas"),
+    ],
+)
+def test_what_cannot_be_honoured_is_an_error_naming_it(fields, message):
+    args = pools()
+    args["decode_config"] = {**args["decode_config"], **fields}
+    with pytest.raises(ValidationError, match=message):
+        AppArgs.model_validate(args)
+    with pytest.raises(ValidationError, match="ingress_cls_config: Kairos-Ray runs its own OpenAI ingress"):
+        AppArgs.model_validate({**pools(), "ingress_cls_config": {"ingress_cls": "x:Y"}})
+
+
+def test_gpu_bundles_run_vllm_workers_in_the_placement_group_on_the_replica_host():
+    gpu = {
+        "accelerator_config": {"kind": "gpu"},
+        "placement_group_config": {"bundle_per_worker": {"GPU": 1}},
+        "engine_kwargs": {"tensor_parallel_size": 2},
+    }
+    with pytest.raises(ValidationError, match=r"strategy PACK: .* must share it \(STRICT_PACK\)"):
+        AppArgs.model_validate(pools(**gpu))
+    gpu["placement_group_config"]["strategy"] = "STRICT_PACK"
+    gpu["engine_kwargs"]["distributed_executor_backend"] = "mp"
+    with pytest.raises(ValidationError, match="distributed_executor_backend 'mp': on GPUs"):
+        AppArgs.model_validate(pools(**gpu))
+
+
+def test_llm_config_fields_map_to_what_they_mean_in_ray_serve_llm():
+    args = AppArgs.model_validate(
+        {
+            "prefill_config": ray_llm_pool(
+                placement_group_config={"bundle_per_worker": {"CPU": 1}, "strategy": "SPREAD"},
+                engine_kwargs={"tensor_parallel_size": 2},
+                runtime_env={"env_vars": {"A": "1"}},
+                deployment_config={
+                    "name": "P",
+                    "autoscaling_config": {"min_replicas": 1, "max_replicas": 3},
+                    "ray_actor_options": {"num_cpus": 1, "resources": {"prefill_node": 1}, "runtime_env": {"pip": []}},
+                    "health_check_period_s": 3,
+                    "max_queued_requests": 16,
+                },
+            ),
+            "decode_config": ray_llm_pool(
+                log_engine_metrics=False, model_loading_config={"model_id": "tiny-llama", "tokenizer_source": "tok"}
+            ),
+        }
+    )
+    prefill = pool_options("prefill", args.prefill_config, args.kairos)
+    assert prefill["name"] == "P"
+    # a bundle per tensor-parallel worker, the replica's own resources added to the first (Ray Serve LLM's rule)
+    assert prefill["placement_group_bundles"] == [{"CPU": 2, "prefill_node": 1}, {"CPU": 1}]
+    assert prefill["placement_group_strategy"] == "SPREAD"
+    assert prefill["ray_actor_options"]["runtime_env"] == {"pip": [], "env_vars": {"A": "1"}}
+    # Serve's request-based autoscaling, with Ray Serve LLM's default target
+    assert prefill["autoscaling_config"]["max_replicas"] == 3
+    assert prefill["autoscaling_config"]["target_ongoing_requests"] == DEFAULT_MAX_TARGET_ONGOING_REQUESTS
+    assert "num_replicas" not in prefill
+    assert prefill["health_check_period_s"] == 3 and prefill["max_queued_requests"] == 16
+    decode = args.decode_config
+    assert not decode.log_engine_metrics and args.prefill_config.log_engine_metrics  # on by default, as in Ray
+    assert decode.vllm_engine_kwargs() == {"served_model_name": "tiny-llama", "tokenizer": "tok"}
+    assert decode.model_loading_config.tokenizer == "tok"
+    assert pool_options("decode", decode, args.kairos)["num_replicas"] == 1

@@ -73,3 +73,19 @@ def test_a_deflection_in_the_ledger_commits_its_schedule_and_reserves_its_output
     router.report(decode_state("d0", accepted=[1], free_kv_tokens=96_500), now=0.3)  # the engine has it now
     (node,) = router.view(now=0.4)[0].decode
     assert node.committed == () and node.free_kv_tokens == 96_500
+
+
+def test_the_view_kept_between_decisions_equals_one_rebuilt_from_the_reports_and_the_ledger():
+    router = RouterState(KairosConfig().build_policy("sl:2000"), pending_ttl_s=2.0)
+    router.report(prefill_state("p0", [3000]), now=0.0)
+    router.report(decode_state("d0", batch=3), now=0.0)
+    router.report(decode_state("d1"), now=0.0)
+    for rid, prompt in enumerate((500, 4000, 1200, 9000, 300)):
+        router.decide(rid, prompt, 50, now=0.1 + rid / 100)
+    kept, _ = router.view(now=0.2)
+    router._view = None  # rebuild from scratch
+    rebuilt, _ = router.view(now=0.2)
+    assert kept == rebuilt and rebuilt.prefill[0].queued_prompt_tokens == (3000, 4000, 9000)
+    router.decide(1, 4000, 50, now=0.3)  # a retry of request 1 replaces its entry: counted once
+    assert router.view(now=0.31)[0].prefill[0].queued_prompt_tokens.count(4000) == 1
+    assert router.view(now=2.15)[0].prefill[0].queued_prompt_tokens == (3000, 4000)  # the rest expired
