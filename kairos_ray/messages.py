@@ -24,9 +24,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kairos_ray.core import Decision, DecodeNodeView, PrefillNodeView, Route
+
+if TYPE_CHECKING:  # vLLM's class; the emulated engines only read ``max_tokens``, which the request carries itself
+    from vllm import SamplingParams
 
 
 class Role(StrEnum):
@@ -46,7 +49,9 @@ class EngineRequest:
     arrival_wall_s: float  # time.time() when the ingress accepted it
     chunk_schedule: tuple[int, ...] = ()  # deflected: prefill in these chunks, in place (Eq. 5's X*)
     prompt_token_ids: tuple[int, ...] = ()  # the tokenized prompt (vLLM engines need it; emulated ones do not)
-    sampling: Mapping[str, Any] | None = None  # vLLM SamplingParams keyword arguments (temperature, top_p, seed...)
+    sampling: SamplingParams | None = None  # as vLLM's OpenAI server builds it (None: its defaults; emulated engines)
+    priority: int = 0  # vLLM's request priority (lower first; a no-op under FCFS scheduling)
+    cache_salt: str | None = None  # salts the prompt's prefix-cache hashes on the engines (vLLM's ``cache_salt``)
     kv_receiver: str = ""  # disaggregated: the decode node chosen to continue it ("" when the router fell back)
     attempt: int = 0  # 0 for the first try; a retry or a migration runs as a new attempt (engines key on both)
     output_offset: int = 0  # tokens generated before a migration: this attempt's first token has this index
@@ -80,6 +85,15 @@ class TTFTBreakdown:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One entry of a generated position's logprobs, as vLLM returns it."""
+
+    token_id: int
+    token: str  # the token decoded as vLLM decodes it for logprobs
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
 class TokenEvent:
     """One generated token, streamed by the decode node."""
 
@@ -87,9 +101,11 @@ class TokenEvent:
     index: int  # position in the output, 0 for the first token
     finished: bool  # the request's last token
     node_id: str  # the decode node that streams it
-    text: str = ""  # the text this token adds (may be empty: part of a character)
+    text: str = ""  # the text this token adds (may be empty: part of a character, or held back for stop strings)
     finish_reason: str | None = None  # on the last token: "length" or "stop"
     breakdown: TTFTBreakdown | None = None  # on the first token only: what the engines timed of the TTFT
+    logprobs: tuple[TokenLogprob, ...] = ()  # requests with logprobs: vLLM's entries, the sampled token's first
+    stop_reason: int | str | None = None  # on the last token: the stop string or token id that ended it, if any
 
 
 @dataclass(frozen=True, slots=True)

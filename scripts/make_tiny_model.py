@@ -28,7 +28,9 @@ thank you. What is the weather like? It is sunny and warm, with a light breeze f
 3 4 5 6 7 8 9 10 100 1000. Code: def f(x): return x * 2 + 1; for i in range(10): print(i).
 """
 
-CHAT_TEMPLATE = (
+CHAT_TEMPLATE = (  # tools and documents are rendered, as most real models' templates do
+    "{% if tools %}<s>tools: {{ tools | tojson }}\n{% endif %}"
+    "{% if documents %}<s>documents: {{ documents | tojson }}\n{% endif %}"
     "{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant: {% endif %}"
 )

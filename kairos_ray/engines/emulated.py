@@ -15,7 +15,10 @@ Every step (at most every ``report_interval_s``) and on a heartbeat, the
 engine reports its state to the router.
 
 What the emulated engine ignores of a request: its prompt's token ids and
-every sampling parameter; it emits exactly ``max_tokens`` tokens.
+its ``SamplingParams`` (the ingress parses and checks the request as for
+vLLM engines, ``serve.tokens``): it emits exactly ``max_tokens`` tokens
+(never an end of sequence, a stop string or stop token), with no logprobs,
+whatever the temperature, seed, penalties or structured output asked for.
 """
 
 from __future__ import annotations

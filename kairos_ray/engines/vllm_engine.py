@@ -1,12 +1,18 @@
 """Real vLLM engines behind the ``Engine`` protocol: one ``AsyncLLM`` per node.
 
-Prefill node: the prompt runs with ``max_tokens=1`` and ``kv_transfer_params
-= {"do_remote_decode": true}``; the Kairos connector (``kv.connector``)
-stages the prompt's KV blocks when its last chunk is computed (vLLM frees
-them at once, or, with ``hold_blocks``, once the decode node has the KV);
-this engine reads the staged bytes (``kv.staging``) and hands them to its KV
-transport (``kv.transport``: the Ray object store, or a gloo/NCCL pair to
-the decode node the router named).
+Requests carry the ``SamplingParams`` the ingress built as vLLM's OpenAI
+server does (``serve.tokens``); the decode node generates with them as they
+are (its ``max_tokens`` the request's), streaming each token's logprobs when
+asked.
+
+Prefill node: the prompt runs with ``max_tokens=1``, greedy (the token is
+dropped: the decode node samples the first token itself, with the request's
+parameters), and ``kv_transfer_params = {"do_remote_decode": true}``; the
+Kairos connector (``kv.connector``) stages the prompt's KV blocks when its
+last chunk is computed (vLLM frees them at once, or, with ``hold_blocks``,
+once the decode node has the KV); this engine reads the staged bytes
+(``kv.staging``) and hands them to its KV transport (``kv.transport``: the
+Ray object store, or a gloo/NCCL pair to the decode node the router named).
 
 Decode node: a disaggregated request's KV is received from the transport
 (at most ``kv_timeout_s``), staged for the connector, and the request is
@@ -56,9 +62,10 @@ from kairos_ray.core import DecodeNodeView, PrefillNodeView, StepLatencyModel
 from kairos_ray.engines import EngineUnhealthy, NodeSpec
 from kairos_ray.engines.reporting import StateReporter
 from kairos_ray.engines.vllm_args import GUARD_KEY, SCHEDULE_KEY, guard_spec
+from kairos_ray.engines.vllm_worker import EXTENSION as SEEDED_CHUNKS
 from kairos_ray.kv import KAIROS_CONNECTOR, KVBytes, KVLost, KVTransport, build_transport
 from kairos_ray.kv.staging import HOLD_KEY, Staging, node_staging_dir, remote_decode_params
-from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role, TokenEvent, TTFTBreakdown
+from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role, TokenEvent, TokenLogprob, TTFTBreakdown
 
 logger = logging.getLogger("ray.serve")
 
@@ -74,8 +81,10 @@ def engine_args(
 
     Prefill nodes get the Kairos KV connector as producer (keeping a request's
     blocks until the decode node has its KV if ``hold_blocks``), decode nodes
-    as consumer plus the chunk-schedule scheduler. A ``kv_transfer_config`` in
-    ``engine_kwargs`` (e.g. vLLM's ``NixlConnector``) replaces the Kairos one.
+    as consumer plus the chunk-schedule scheduler and the worker extension
+    that lets seeded requests prefill in chunks on CPU (``engines.vllm_worker``).
+    A ``kv_transfer_config`` in ``engine_kwargs`` (e.g. vLLM's
+    ``NixlConnector``) replaces the Kairos one.
     """
     kv_config: dict[str, Any] = {
         "kv_connector": KAIROS_CONNECTOR,
@@ -93,6 +102,7 @@ def engine_args(
     }
     if role is Role.DECODE:
         args.setdefault("scheduler_cls", SCHEDULER)
+        args.setdefault("worker_extension_cls", SEEDED_CHUNKS)
     return args
 
 
@@ -215,6 +225,8 @@ class VllmEngine:
         )
         cache = self.llm.vllm_config.cache_config
         self.kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+        if self.args.get("worker_extension_cls") == SEEDED_CHUNKS:
+            await self.llm.collective_rpc("rewind_cpu_generators")
         self._progress_s = time.monotonic()
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
@@ -312,16 +324,18 @@ class VllmEngine:
 
     # ---- the protocol -----------------------------------------------------------------------
 
-    def _sampling(self, request: EngineRequest, max_tokens: int, extra: dict[str, Any]) -> Any:
+    @staticmethod
+    def _sampling(request: EngineRequest, extra: dict[str, Any]) -> Any:
+        """The request's ``SamplingParams`` (vLLM's defaults without), streamed as deltas, plus Kairos's extra args."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        return SamplingParams(
-            max_tokens=max_tokens,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args=extra or None,
-            **(request.sampling or {}),
-        )
+        params = request.sampling.clone() if request.sampling is not None else SamplingParams()
+        params.max_tokens = request.max_tokens
+        params.output_kind = RequestOutputKind.DELTA
+        if extra:
+            params.extra_args = {**(params.extra_args or {}), **extra}
+        return params
 
     def _prompt(self, request: EngineRequest) -> dict[str, Any]:
         if len(request.prompt_token_ids) != request.prompt_tokens:
@@ -329,13 +343,21 @@ class VllmEngine:
                 f"request {request.request_id}: a vLLM engine needs the prompt's token ids "
                 f"({request.prompt_tokens} tokens counted, {len(request.prompt_token_ids)} ids given)"
             )
-        return {"prompt_token_ids": list(request.prompt_token_ids)}
+        prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_token_ids)}
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
+        return prompt
 
     async def prefill(self, request: EngineRequest) -> KVHandoff:
         if self.role is not Role.PREFILL:
             raise RuntimeError(f"{self.node_id} is a {self.role} node")
+        from vllm import SamplingParams
+
         rid = request.request_id
-        params = self._sampling(request, 1, {"kv_transfer_params": remote_decode_params()})
+        # The one token sampled here is dropped: the decode node samples the first token with the request's
+        # own parameters (its seed's generator fresh, as in a single engine), so the prompt alone matters here.
+        extra = {"kv_transfer_params": remote_decode_params()}
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=extra)
         if not self._queue:
             self._prefilled_since_head = 0
         self._queue[rid] = request.prompt_tokens
@@ -343,7 +365,8 @@ class VllmEngine:
         final = None
         try:
             request_id = f"p{rid}.{request.attempt}"
-            async for output in self.llm.generate(self._prompt(request), params, request_id=request_id):
+            prompt = self._prompt(request)
+            async for output in self.llm.generate(prompt, params, request_id=request_id, priority=request.priority):
                 final = output
         finally:
             self._pop_queue(rid)
@@ -435,12 +458,13 @@ class VllmEngine:
         self._active[rid] = request.prompt_tokens
         index = 0
         try:
-            params = self._sampling(request, request.max_tokens, extra)
+            params = self._sampling(request, extra)
             request_id = f"d{rid}.{request.attempt}"
             # vLLM merges the deltas a slow consumer has not taken yet: one output, every token ready
-            async for output in self.llm.generate(prompt, params, request_id=request_id):
+            async for output in self.llm.generate(prompt, params, request_id=request_id, priority=request.priority):
                 completion = output.outputs[0]
                 ids = list(completion.token_ids)
+                logprobs = completion.logprobs  # None unless the request asked for them
                 ready = []
                 for i, token in enumerate(ids):
                     last = i == len(ids) - 1
@@ -464,6 +488,8 @@ class VllmEngine:
                             text=completion.text if last else "",
                             finish_reason=(completion.finish_reason or "length") if finished else None,
                             breakdown=breakdown,
+                            logprobs=_entries(logprobs[i]) if logprobs else (),
+                            stop_reason=completion.stop_reason if finished else None,
                         )
                     )
                     index += 1
@@ -506,6 +532,11 @@ class VllmEngine:
             kv_usage=self._kv_usage,
             healthy=not self._unhealthy,
         )
+
+
+def _entries(position: Mapping[int, Any]) -> tuple[TokenLogprob, ...]:
+    """One position's logprobs (vLLM's ``{token id: Logprob}``, the sampled token's first) as ``TokenLogprob`` s."""
+    return tuple(TokenLogprob(tid, lp.decoded_token or "", lp.logprob) for tid, lp in position.items())
 
 
 def _free_port() -> int:

@@ -95,6 +95,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     router = Router.bind(kairos, args.serving.refit_every_steps)
     secret = secrets.token_bytes(32)  # this application's engines prove it to each other (KV channel pairs)
     decode = args.decode_config
+    vllm = decode.engine == "vllm"  # the ingress renders prompts as the decode engines will see them
     ingress = Ingress.options(**args.ingress_deployment_config) if args.ingress_deployment_config else Ingress
     return ingress.bind(
         router,
@@ -102,5 +103,6 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         _pool("decode", decode, args.kairos, kairos, serving, router, secret),
         decode.model_loading_config.model_id,
         serving,
-        decode.model_loading_config.tokenizer if decode.engine == "vllm" else None,
+        decode.model_loading_config.source if vllm else None,
+        decode.vllm_engine_kwargs() if vllm else None,  # its tokenizer and served name included
     )

@@ -18,7 +18,8 @@ Failures (the failure model of ``docs/architecture.md``):
 - after it, a decode node that fails, or sends no token for
   ``token_stall_timeout_s``, is left for another: the prompt plus the tokens
   already sent are prefilled there (deflected or handed off, as the router
-  decides) and the stream goes on, at most ``max_migrations`` times;
+  decides) and the stream goes on, at most ``max_migrations`` times, when
+  the request's sampling carries over exactly (``migration_blocker``);
 - what cannot be served ends with ``RequestFailed`` (503, or 504 past the
   first-token deadline) before the first token, ``StreamBroken`` after it;
 - ``close`` cancels whatever is still in flight on the engines (which abort
@@ -37,7 +38,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray.serve.handle import DeploymentHandle
 
@@ -45,6 +46,9 @@ from kairos_ray.core import Route
 from kairos_ray.messages import DecisionRequest, EngineRequest, KVHandoff, RoutingReply, TokenEvent, TTFTBreakdown
 from kairos_ray.serve.metrics import IngressMetrics
 from kairos_ray.serve.mux import RequestKey, StreamFailed, TokenMux
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 
@@ -75,6 +79,31 @@ class ServingLimits:
     token_stall_timeout_s: float
     max_attempts: int
     max_migrations: int
+
+
+def migration_blocker(sampling: SamplingParams | None) -> str:
+    """What keeps a request from continuing exactly on another decode node ("" when nothing does).
+
+    A migration is a new request whose prompt is the original prompt plus the
+    tokens already sent. Per-token rules carry over as they are (temperature,
+    top-k/p, min-p, logit bias, allowed tokens, stop token ids, logprobs; the
+    repetition penalty, which vLLM applies over prompt and output alike);
+    ``max_tokens`` and ``min_tokens`` shrink by the tokens sent. What depends
+    on the output's history cannot be handed over through vLLM's API, so such
+    a request is not migrated: its stream ends with an error rather than go on
+    differently from an undisturbed run.
+    """
+    if sampling is None:
+        return ""
+    blockers = (
+        (sampling.seed is not None and sampling.temperature > 0, "a seed (its random generator would restart)"),
+        (bool(sampling.presence_penalty or sampling.frequency_penalty), "presence/frequency penalties"),
+        (bool(sampling.stop), "stop strings (held-back text and a match across the cut)"),
+        (bool(sampling.bad_words), "bad words (a match across the cut)"),
+        (sampling.structured_outputs is not None, "structured output (its grammar's state)"),
+        (sampling.repetition_detection is not None, "repetition detection (its history)"),
+    )
+    return next((reason for blocked, reason in blockers if blocked), "")
 
 
 class RequestFailed(Exception):
@@ -329,6 +358,9 @@ class RequestRun:
         self.close()
         if failed is not None and failed not in self._avoid:
             self._avoid.append(failed)
+        blocker = migration_blocker(self.request.sampling)
+        if blocker:
+            raise StreamBroken(f"decode failed after {len(self.sent)} tokens ({cause}); not migrated: {blocker}")
         while self.migrations < self.limits.max_migrations:
             self.migrations += 1
             self.dispatcher.metrics.retries.inc(tags={"stage": "migration"})
@@ -350,16 +382,21 @@ class RequestRun:
         raise StreamBroken(f"decode failed after {len(self.sent)} tokens and {self.migrations} migrations ({cause})")
 
     def _continuation(self) -> EngineRequest:
-        """The request as a new prompt: the original prompt plus the tokens already sent."""
+        """The request as a new prompt: the original prompt plus the tokens already sent, ``min_tokens`` shrunk."""
         original = self.request
         done = len(self.sent)
         ids = original.prompt_token_ids + tuple(self.sent) if original.prompt_token_ids else ()
+        sampling = original.sampling
+        if sampling is not None and sampling.min_tokens:
+            sampling = sampling.clone()
+            sampling.min_tokens = max(0, sampling.min_tokens - done)
         return dataclasses.replace(
             original,
             prompt_tokens=original.prompt_tokens + done,
             prompt_token_ids=ids,
             max_tokens=original.max_tokens - done,
             output_offset=original.output_offset + done,
+            sampling=sampling,
         )
 
     # ---- however it ends -------------------------------------------------------------------------

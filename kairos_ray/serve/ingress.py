@@ -7,10 +7,12 @@ One request's path:
    ``max_in_flight`` requests are in flight, else 429 with ``Retry-After``;
    the slot is released exactly once however the request ends
    (``serve.admission``);
-3. the body: 413 past ``max_body_bytes``, 400 with an OpenAI error object
-   naming the field for anything that is not a valid request; large bodies
-   are parsed and prompts tokenized off the event loop (``serve.tokens``);
-   prompt + max_tokens must fit the context;
+3. the body: 413 past ``max_body_bytes``; parsed, rendered and turned into
+   vLLM ``SamplingParams`` as vLLM's OpenAI server does it (``serve.tokens``),
+   a 400 with an OpenAI error object naming the field for anything vLLM's
+   server refuses or the app does not serve (``serve.protocol``); large
+   bodies are parsed off the event loop, prompts tokenized on vLLM's
+   renderer's threads;
 4. the request runs over the router and the pools (``serve.dispatch``), with
    retries before its first token and migrations after it; what cannot be
    served is a 503/504 error object before the first byte, an SSE ``error``
@@ -37,7 +39,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -48,22 +49,14 @@ from kairos_ray.serve.auth import ApiKeys
 from kairos_ray.serve.dispatch import Dispatcher, RequestFailed, RequestRun, ServingLimits, StreamBroken
 from kairos_ray.serve.live import live_state
 from kairos_ray.serve.metrics import IngressMetrics
-from kairos_ray.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from kairos_ray.serve.protocol import PreparedRequest, RequestError, error_body
 from kairos_ray.serve.responses import ResponseWriter, route_headers
-from kairos_ray.serve.tokens import PromptTokenizer
+from kairos_ray.serve.tokens import Preprocessor
 
 logger = logging.getLogger("ray.serve")
 app = FastAPI(title="Kairos-Ray", description="OpenAI-compatible serving with load-aware prefill deflection")
 
-OFF_LOOP_BYTES = 64 << 10  # bodies at least this large are parsed and tokenized in a thread
-
-
-class BadRequest(Exception):
-    """A request the ingress refuses before admitting its work: ``status`` and an OpenAI error's message and param."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+OFF_LOOP_BYTES = 64 << 10  # bodies at least this large are parsed in a thread
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -73,21 +66,13 @@ def _error(status: int, message: str, param: str | None = None, headers: dict[st
     return JSONResponse(error_body(message, param, kind, status), status_code=status, headers=headers)
 
 
-def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0]
-    param = ".".join(str(p) for p in err["loc"]) or None
-    value = repr(err.get("input"))
-    value = value if len(value) <= 80 else value[:77] + "..."
-    return f"{param}: {err['msg'].removeprefix('Value error, ')} (got {value})" if param else err["msg"], param
-
-
 def _parse(body: bytes) -> Any:
     try:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise BadRequest(400, "request body is not valid JSON") from None
+        raise RequestError(400, "request body is not valid JSON") from None
     except RecursionError:
-        raise BadRequest(400, "request body is nested too deeply") from None
+        raise RequestError(400, "request body is nested too deeply") from None
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=2048)
@@ -100,11 +85,12 @@ class Ingress:
         decode: DeploymentHandle,
         model_id: str,
         serving: dict[str, Any],
-        tokenizer: str | None = None,
+        model_source: str | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.model_id = model_id
-        self.tokenize = PromptTokenizer(tokenizer)
         self.opts = opts = ServingConfig.model_validate(serving)
+        self.preprocess = Preprocessor(model_id, opts.context_tokens, model_source, engine_kwargs)
         self.keys = ApiKeys.gather(opts.api_keys, opts.api_key_env, opts.api_key_file)
         if opts.require_api_key and not self.keys.required:
             raise ValueError(
@@ -140,11 +126,11 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        return await self._serve(request, CompletionRequest, chat=False)
+        return await self._serve(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        return await self._serve(request, ChatCompletionRequest, chat=True)
+        return await self._serve(request, chat=True)
 
     @app.get("/kairos/state")
     async def kairos_state(self, request: Request) -> Response:
@@ -164,9 +150,7 @@ class Ingress:
             401, "a valid API key is required: Authorization: Bearer <key>", headers={"WWW-Authenticate": "Bearer"}
         )
 
-    async def _serve(
-        self, request: Request, kind: type[CompletionRequest | ChatCompletionRequest], chat: bool
-    ) -> Response:
+    async def _serve(self, request: Request, chat: bool) -> Response:
         if not self.keys.allows(request.headers.get("authorization")):
             return self._unauthorized()
         slot = self.admission.try_acquire()
@@ -178,18 +162,21 @@ class Ingress:
         streaming = False
         try:
             try:
-                req, prompt_tokens, prompt_ids = await self._validated(request, kind, chat)
-            except BadRequest as bad:
+                prepared = await self._validated(request, chat)
+            except RequestError as bad:
                 reason = "too-large" if bad.status == 413 else "bad-request"
                 self.metrics.rejected.inc(tags={"reason": reason})
                 return _error(bad.status, bad.message, bad.param)
             engine_request = EngineRequest(
                 next(self._ids),
-                prompt_tokens,
-                req.output_tokens,
+                prepared.prompt_tokens,
+                prepared.max_tokens,
                 time.time(),
-                prompt_token_ids=prompt_ids,
-                sampling=req.sampling(),
+                prompt_token_ids=prepared.prompt_token_ids,
+                # emulated engines ignore it (and so need no vLLM to unpickle it)
+                sampling=prepared.sampling if self.preprocess.vllm else None,
+                priority=prepared.priority,
+                cache_salt=prepared.cache_salt,
             )
             run = self.dispatcher.run(engine_request)
             try:
@@ -201,15 +188,15 @@ class Ingress:
                 run.close()
                 raise
             assert run.route is not None
-            writer = ResponseWriter(self.model_id, chat, run.route, prompt_tokens, req.continuous_usage)
+            writer = ResponseWriter(self.model_id, run.route, prepared)
             headers = route_headers(run.route)
-            if req.stream:
+            if prepared.options.stream:
 
                 def done() -> None:
                     run.close()
                     slot.release()
 
-                events = self._sse(writer, run, first, req.include_usage)
+                events = self._sse(writer, run, first)
                 streaming = True
                 return GuardedStream(events, done, media_type="text/event-stream", headers=headers)
             try:
@@ -225,50 +212,24 @@ class Ingress:
             if not streaming:
                 slot.release()
 
-    async def _validated(
-        self, request: Request, kind: type[CompletionRequest | ChatCompletionRequest], chat: bool
-    ) -> tuple[CompletionRequest | ChatCompletionRequest, int, tuple[int, ...]]:
-        """The parsed request and its prompt's token count and ids; raises ``BadRequest``."""
+    async def _validated(self, request: Request, chat: bool) -> PreparedRequest:
+        """The request, parsed, rendered and checked as vLLM's server does it; raises ``RequestError``."""
         body = await self._body(request)
-        data = await asyncio.to_thread(_parse, body) if len(body) >= OFF_LOOP_BYTES else _parse(body)
-        if not isinstance(data, dict):
-            raise BadRequest(400, "request body must be a JSON object")
-        try:
-            req = kind.model_validate(data)
-        except ValidationError as exc:
-            raise BadRequest(400, *_validation_message(exc)) from None
-        if req.model != self.model_id:
-            raise BadRequest(400, f"model {req.model!r} is not served here; available: {self.model_id!r}", "model")
-        param = "messages" if chat else "prompt"
-        try:
-            if len(body) >= OFF_LOOP_BYTES:
-                prompt_tokens, prompt_ids = await asyncio.to_thread(self.tokenize, req)
-            else:
-                prompt_tokens, prompt_ids = self.tokenize(req)
-        except ValueError as exc:
-            raise BadRequest(400, str(exc), param) from None
-        if prompt_tokens < 1:
-            raise BadRequest(400, f"{param} is empty: it has no tokens", param)
-        if prompt_tokens + req.output_tokens > self.opts.context_tokens:
-            raise BadRequest(
-                400,
-                f"prompt ({prompt_tokens} tokens) plus max_tokens ({req.output_tokens}) exceeds the "
-                f"{self.opts.context_tokens}-token context",
-                param,
-            )
-        return req, prompt_tokens, prompt_ids
+        off_loop = len(body) >= OFF_LOOP_BYTES
+        data = await asyncio.to_thread(_parse, body) if off_loop else _parse(body)
+        return await self.preprocess.prepare(data, chat, off_loop)
 
     async def _body(self, request: Request) -> bytes:
         """The raw body, refused with 413 as soon as it passes ``max_body_bytes``."""
         limit = self.opts.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            raise BadRequest(413, f"request body of {int(declared)} bytes exceeds the {limit}-byte limit")
+            raise RequestError(413, f"request body of {int(declared)} bytes exceeds the {limit}-byte limit")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise BadRequest(413, f"request body exceeds the {limit}-byte limit")
+                raise RequestError(413, f"request body exceeds the {limit}-byte limit")
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -285,19 +246,17 @@ class Ingress:
             last_s = now
             yield ready
 
-    async def _sse(
-        self, writer: ResponseWriter, run: RequestRun, first: list[TokenEvent], include_usage: bool
-    ) -> AsyncGenerator[str, None]:
-        """One event per token; the tokens that come together go out in one write."""
+    async def _sse(self, writer: ResponseWriter, run: RequestRun, first: list[TokenEvent]) -> AsyncGenerator[str, None]:
+        """One event per token (or group); the tokens that come together go out in one write."""
         count = len(first)
-        yield "".join(map(writer.token, first))
+        yield writer.tokens(first)
         try:
             async for ready in self._timed(run):
                 count += len(ready)
-                yield "".join(map(writer.token, ready))
+                yield writer.tokens(ready)
         except StreamBroken as broken:
             yield writer.error(f"request failed after {count} tokens: {broken}")
         else:
-            if include_usage:
+            if writer.options.include_usage:
                 yield writer.usage(count)
         yield writer.done()

@@ -1,106 +1,184 @@
-"""The OpenAI-compatible request shapes the ingress accepts, and its error objects.
+"""The OpenAI requests the ingress serves: vLLM's own protocol models, what the app refuses, and its error objects.
 
-Unknown fields are accepted and ignored, as OpenAI-compatible servers do
-(clients and benchmark tools send extras such as ``ignore_eos``). Known fields
-are checked: a bad value is an HTTP 400 with an OpenAI-style error object
-naming the parameter.
+A body is parsed and validated by vLLM's OpenAI server models
+(``vllm.entrypoints.openai.completion.protocol.CompletionRequest``,
+``chat_completion.protocol.ChatCompletionRequest``), so every field vLLM's
+server knows is checked as it checks it. Unknown fields are accepted and
+ignored, as vLLM's server and OpenAI do. What the app cannot serve is a 400
+naming the field (``REFUSALS``), never silently ignored:
 
-With vLLM engines the model's tokenizer counts (``serve.tokens``); emulated
-engines count one token per whitespace-separated word of a text
-prompt (a prompt may also be a list of token ids); a chat request counts its
-messages' words plus 4 tokens per message for the template.
+| field | why it is refused |
+|---|---|
+| ``n`` > 1, ``use_beam_search``, ``length_penalty`` | one sampled choice per request; no beam search |
+| ``prompt_logprobs``; ``echo`` with logprobs; chat ``echo`` | no prompt logprobs: a disaggregated request's |
+| | decode node computes only the prompt's last token |
+| a batch of prompts, ``prompt_embeds`` | one token prompt per request |
+| ``kv_transfer_params``, ``ec_transfer_params``, | the app's own hand-off and extra arguments (chunk |
+| ``vllm_xargs`` | schedules) travel there |
+| non-text content parts | the served models read text |
+
+``serve.tokens`` renders the prompt and builds ``SamplingParams`` the way
+vLLM's server does; ``ResponseOptions`` is what the response needs to know.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
+if TYPE_CHECKING:
+    from vllm import SamplingParams
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=1)
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    ignore_eos: bool = False  # vLLM's extension: always generate max_tokens
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # vLLM's range: a 64-bit signed integer
-
-    def sampling(self) -> dict[str, Any]:
-        """vLLM ``SamplingParams`` fields of this request."""
-        extra = {"seed": self.seed} if self.seed is not None else {}
-        return {"temperature": self.temperature, "top_p": self.top_p, "ignore_eos": self.ignore_eos, **extra}
-
-    @property
-    def output_tokens(self) -> int:
-        return self.max_completion_tokens or self.max_tokens or 16
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
-
-    @property
-    def continuous_usage(self) -> bool:
-        """Usage in every streamed event (vLLM's ``continuous_usage_stats``): clients count tokens per event."""
-        return self.include_usage and bool(self.stream_options and self.stream_options.get("continuous_usage_stats"))
+OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
 
-class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str]
+class RequestError(Exception):
+    """A request the ingress refuses: ``status`` and an OpenAI error's message and ``param``."""
 
-    @field_validator("prompt")
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A field (or use of it) the app does not serve."""
+
+    param: str  # the field, as the 400 names it
+    reason: str
+    applies: Callable[[OpenAIRequest], bool]
+
+
+def _prompt_batch(request: OpenAIRequest) -> bool:
+    prompt = request.prompt if isinstance(request, CompletionRequest) else None
+    return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+
+
+def _completion(check: Callable[[CompletionRequest], bool]) -> Callable[[OpenAIRequest], bool]:
+    """A check of a completions-only field (false for chat requests)."""
+    return lambda r: isinstance(r, CompletionRequest) and check(r)
+
+
+_PROMPT_LOGPROBS = "prompt logprobs are not served: a disaggregated request's decode node computes only its last token"
+
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal("n", "one choice per request: n > 1 is not served", lambda r: (r.n or 1) != 1),
+    Refusal("use_beam_search", "beam search is not served", lambda r: r.use_beam_search),
+    Refusal("length_penalty", "it applies to beam search, which is not served", lambda r: r.length_penalty != 1.0),
+    Refusal("prompt_logprobs", _PROMPT_LOGPROBS, lambda r: r.prompt_logprobs is not None),
+    Refusal(
+        "echo",
+        f"chat echo asks for prompt logprobs; {_PROMPT_LOGPROBS}",
+        lambda r: isinstance(r, ChatCompletionRequest) and r.echo,
+    ),
+    Refusal(
+        "echo",
+        f"echo with logprobs needs the prompt's logprobs; {_PROMPT_LOGPROBS}",
+        _completion(lambda r: bool(r.echo) and r.logprobs is not None),
+    ),
+    Refusal(
+        "max_tokens",
+        "echo with max_tokens 0 (the prompt alone) is not served",
+        _completion(lambda r: bool(r.echo) and r.max_tokens == 0),
+    ),
+    Refusal("prompt", "one prompt per request (batches of prompts are not served)", _prompt_batch),
+    Refusal("prompt_embeds", "prompt embeddings are not served", _completion(lambda r: r.prompt_embeds is not None)),
+    Refusal(
+        "kv_transfer_params",
+        "the app hands KV over between its own nodes",
+        lambda r: r.kv_transfer_params is not None,
+    ),
+    Refusal(
+        "ec_transfer_params",
+        "encoder-cache hand-off is not served",
+        lambda r: r.ec_transfer_params is not None,
+    ),
+    Refusal(
+        "vllm_xargs",
+        "the app passes its own extra arguments (chunk schedules) to the engines",
+        lambda r: r.vllm_xargs is not None,
+    ),
+)
+
+
+def refusal(request: OpenAIRequest) -> RequestError | None:
+    """The 400 for the first thing of ``request`` the app does not serve, or None."""
+    for refused in REFUSALS:
+        if refused.applies(request):
+            return RequestError(400, f"{refused.param}: {refused.reason}", refused.param)
+    for i, message in enumerate(request.messages if isinstance(request, ChatCompletionRequest) else ()):
+        content = message.get("content")
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                param = f"messages.{i}.content"
+                return RequestError(400, f"{param}: only text content parts are served, got {kind!r}", param)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseOptions:
+    """What the response of a request depends on besides its tokens (vLLM's server's rules)."""
+
+    chat: bool
+    stream: bool
+    include_usage: bool  # streamed: a closing usage event (``stream_options.include_usage``)
+    continuous_usage: bool  # streamed: usage in every event (``stream_options.continuous_usage_stats``)
+    top_logprobs: int | None  # None: no logprobs; else top entries per token (completions: n+1 kept; -1: all)
+    all_logprobs: bool = False  # ``logprob_token_ids``: every entry the engine returned
+    tokens_as_ids: bool = False  # ``return_tokens_as_token_ids``: "token_id:<id>" for logprob tokens
+    return_token_ids: bool = False  # ``return_token_ids``: token ids in the choice
+    echo: bool = False  # completions: the prompt's text before the answer
+    response_id: str | None = None  # the client's ``request_id``: the response's id
+    role: str = "assistant"  # chat: the answer's role (the last message's when no generation prompt is added)
+    return_prompt_text: bool = False  # chat: the rendered prompt in the response
+    grouped: bool = False  # ``stream_interval``: one event per group of tokens the engine sends, not per token
+
     @classmethod
-    def _one_prompt(cls, value: str | list[int] | list[str]) -> str | list[int] | list[str]:
-        if not value:
-            raise ValueError("prompt must not be empty")
-        if isinstance(value, list) and isinstance(value[0], str):
-            if len(value) != 1:
-                raise ValueError("one prompt per request (batches of prompts are not supported)")
-            if not value[0]:
-                raise ValueError("prompt must not be empty")
-        return value
-
-    def prompt_tokens(self) -> int:
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            return len(prompt)
-        text = prompt if isinstance(prompt, str) else str(prompt[0])
-        return max(1, len(text.split()))
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-    @field_validator("content")
-    @classmethod
-    def _text_only(cls, value: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
-        for part in value if isinstance(value, list) else ():
-            if part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"only text content parts are served here, got {part.get('type')!r}")
-        return value
-
-    def words(self) -> int:
-        if isinstance(self.content, str):
-            return len(self.content.split())
-        if isinstance(self.content, list):
-            return sum(len(str(part.get("text", "")).split()) for part in self.content)
-        return 0
+    def of(cls, request: OpenAIRequest, response_id: str | None) -> ResponseOptions:
+        """The options of ``request``; ``response_id``: the client's id for the response, if it gave one."""
+        stream_options = request.stream_options
+        include_usage = bool(request.stream and stream_options and stream_options.include_usage)
+        chat = isinstance(request, ChatCompletionRequest)
+        if isinstance(request, ChatCompletionRequest):
+            top = request.top_logprobs if request.logprobs else None
+            last = request.messages[-1] if request.messages else {}
+            role = "assistant" if request.add_generation_prompt else str(last.get("role", "assistant"))
+        else:
+            top, role = request.logprobs, "assistant"
+        return cls(
+            chat=chat,
+            stream=bool(request.stream),
+            include_usage=include_usage,
+            continuous_usage=include_usage and bool(stream_options and stream_options.continuous_usage_stats),
+            top_logprobs=top,
+            all_logprobs=bool(request.logprob_token_ids),
+            tokens_as_ids=bool(request.return_tokens_as_token_ids),
+            return_token_ids=bool(request.return_token_ids),
+            echo=isinstance(request, CompletionRequest) and bool(request.echo),
+            response_id=response_id,
+            role=role,
+            return_prompt_text=isinstance(request, ChatCompletionRequest) and bool(request.return_prompt_text),
+            grouped=request.stream_interval is not None,
+        )
 
 
-class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1)
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A valid request: its prompt as the engines will see it, its sampling parameters, its response's options."""
 
-    def prompt_tokens(self) -> int:
-        return sum(4 + m.words() for m in self.messages)
+    prompt_token_ids: tuple[int, ...]  # empty with emulated engines
+    prompt_tokens: int  # what the router prices
+    prompt_text: str  # the prompt's text (echo, return_prompt_text; "" when unknown)
+    max_tokens: int  # as vLLM's server resolves it (up to the context when the request leaves it out)
+    sampling: SamplingParams  # as vLLM's server builds it
+    options: ResponseOptions
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 def error_body(

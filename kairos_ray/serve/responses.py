@@ -1,5 +1,14 @@
 """OpenAI response bodies and server-sent events for a served request, plus Kairos's route report.
 
+Bodies follow vLLM's OpenAI server: the same text, finish and stop reasons,
+usage and logprobs (completions: ``tokens``, ``token_logprobs``,
+``top_logprobs`` with the sampled token's entry plus ``logprobs`` more,
+``text_offset``; chat: ``content`` entries with their bytes and
+``top_logprobs`` best ones), ``token_ids`` with ``return_token_ids``, echo.
+A stream sends an event per token (per group of tokens with
+``stream_interval``); its events concatenate to the body of the same request
+unstreamed.
+
 Every response carries the route in ``x-kairos-*`` headers and in a
 ``kairos`` field of the body (the first chunk of a stream), which OpenAI
 clients ignore.
@@ -12,9 +21,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kairos_ray.messages import TokenEvent
+from kairos_ray.messages import TokenEvent, TokenLogprob
 from kairos_ray.serve.dispatch import RouteTaken
-from kairos_ray.serve.protocol import error_body
+from kairos_ray.serve.protocol import PreparedRequest, error_body
+
+MIN_LOGPROB = -9999.0  # what -inf becomes in JSON, as in OpenAI's and vLLM's responses
 
 
 def route_headers(route: RouteTaken) -> dict[str, str]:
@@ -66,22 +77,97 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 class ResponseWriter:
     """Bodies of one request's response, non-streamed or as server-sent events."""
 
-    def __init__(
-        self, model_id: str, chat: bool, route: RouteTaken, prompt_tokens: int, continuous_usage: bool = False
-    ) -> None:
-        self.model_id, self.chat, self.route, self.prompt_tokens = model_id, chat, route, prompt_tokens
-        self.continuous_usage = continuous_usage  # usage in every token event
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{route.request_id}"
+    def __init__(self, model_id: str, route: RouteTaken, request: PreparedRequest) -> None:
+        self.model_id, self.route, self.request = model_id, route, request
+        self.options = options = request.options
+        self.chat = options.chat
+        self.prompt_tokens = request.prompt_tokens
+        prefix = "chatcmpl" if options.chat else "cmpl"
+        self.id = f"{prefix}-{options.response_id or route.request_id}"
         self.created = int(time.time())
+        self._text_offset = 0  # streamed completions' logprobs: where the next token's text starts
+
+    # ---- logprobs, as vLLM's server writes them -------------------------------------------------
+
+    def _shown(self, entry: TokenLogprob) -> str:
+        return f"token_id:{entry.token_id}" if self.options.tokens_as_ids else entry.token
+
+    def _kept(self, entries: tuple[TokenLogprob, ...], extra: int) -> list[TokenLogprob]:
+        """The entries shown as top logprobs: the first ``top_logprobs + extra`` (all for -1 or logprob_token_ids)."""
+        top = self.options.top_logprobs
+        if self.options.all_logprobs or top == -1 or top is None:
+            return list(entries)
+        return list(entries[: top + extra])
+
+    @staticmethod
+    def _sampled(event: TokenEvent) -> TokenLogprob:
+        for entry in event.logprobs:
+            if entry.token_id == event.token_id:
+                return entry
+        return TokenLogprob(event.token_id, event.text, MIN_LOGPROB)
+
+    def _completion_logprobs(self, tokens: Sequence[TokenEvent], offset: int) -> tuple[dict[str, Any] | None, int]:
+        """(the ``logprobs`` of ``tokens``, the text offset after them), their text starting at ``offset``."""
+        if self.options.top_logprobs is None:
+            return None, offset
+        offsets, values, shown, tops = [], [], [], []
+        for event in tokens:
+            token = self._shown(self._sampled(event))
+            offsets.append(offset)
+            values.append(max(self._sampled(event).logprob, MIN_LOGPROB))
+            shown.append(token)
+            tops.append({self._shown(e): max(e.logprob, MIN_LOGPROB) for e in self._kept(event.logprobs, 1)})
+            offset += len(token)
+        return {"text_offset": offsets, "token_logprobs": values, "tokens": shown, "top_logprobs": tops}, offset
+
+    def _chat_logprobs(self, tokens: Sequence[TokenEvent]) -> dict[str, Any] | None:
+        if self.options.top_logprobs is None:
+            return None
+        content = []
+        for event in tokens:
+            sampled = self._sampled(event)
+            top = [
+                {"token": (shown := self._shown(e)), "logprob": max(e.logprob, MIN_LOGPROB), "bytes": _bytes(shown)}
+                for e in self._kept(event.logprobs, 0)
+            ]
+            content.append(
+                {
+                    "token": self._shown(sampled),
+                    "logprob": max(sampled.logprob, MIN_LOGPROB),
+                    "bytes": _bytes(sampled.token),
+                    "top_logprobs": top,
+                }
+            )
+        return {"content": content}
+
+    # ---- bodies ----------------------------------------------------------------------------------
+
+    def _echo(self) -> str:
+        """Completions with ``echo``: the prompt's text before the answer (none when token ids are returned)."""
+        return self.request.prompt_text if self.options.echo and not self.options.return_token_ids else ""
 
     def full(self, tokens: Sequence[TokenEvent]) -> dict[str, Any]:
         """The whole response body of a request that was not streamed."""
         text = "".join(t.text for t in tokens)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": tokens[-1].finish_reason or "length", "logprobs": None}
+        last = tokens[-1]
+        choice: dict[str, Any] = {"index": 0}
+        extra: dict[str, Any] = {}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": self.options.role, "content": text}
+            choice["logprobs"] = self._chat_logprobs(tokens)
+            if self.options.return_token_ids:
+                extra["prompt_token_ids"] = list(self.request.prompt_token_ids)
+            if self.options.return_prompt_text:
+                extra["prompt_text"] = self.request.prompt_text
         else:
-            choice["text"] = text
+            choice["text"] = self._echo() + text
+            choice["logprobs"] = self._completion_logprobs(tokens, 0)[0]
+            if self.options.return_token_ids:
+                choice["prompt_token_ids"] = list(self.request.prompt_token_ids)
+        choice["finish_reason"] = last.finish_reason or "length"
+        choice["stop_reason"] = last.stop_reason
+        if self.options.return_token_ids:
+            choice["token_ids"] = [t.token_id for t in tokens]
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
@@ -89,6 +175,7 @@ class ResponseWriter:
             "model": self.model_id,
             "choices": [choice],
             "usage": usage(self.prompt_tokens, len(tokens)),
+            **extra,
             "kairos": route_field(self.route),
         }
 
@@ -105,20 +192,36 @@ class ResponseWriter:
             **extra,
         }
 
-    def token(self, event: TokenEvent) -> str:
-        """The event of one streamed token; the first carries the ``kairos`` field."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": None}
+    def tokens(self, ready: Sequence[TokenEvent]) -> str:
+        """The events of tokens that came together: one per token (one for all with ``stream_interval``)."""
+        if self.options.grouped:
+            return self._tokens_event(ready)
+        return "".join(self._tokens_event((event,)) for event in ready)
+
+    def _tokens_event(self, tokens: Sequence[TokenEvent]) -> str:
+        """One streamed event for ``tokens``; the first event carries the ``kairos`` field."""
+        first, last = tokens[0].index == 0, tokens[-1]
+        text = "".join(t.text for t in tokens)
+        choice: dict[str, Any] = {"index": 0}
+        extra: dict[str, Any] = {"kairos": route_field(self.route)} if first else {}
         if self.chat:
-            choice["delta"] = {"content": event.text}
-            if event.index == 0:
-                choice["delta"]["role"] = "assistant"
+            choice["delta"] = {"role": self.options.role, "content": text} if first else {"content": text}
+            choice["logprobs"] = self._chat_logprobs(tokens)
+            if first and self.options.return_token_ids:
+                extra["prompt_token_ids"] = list(self.request.prompt_token_ids)
+            if first and self.options.return_prompt_text:
+                extra["prompt_text"] = self.request.prompt_text
         else:
-            choice["text"] = event.text
-        if event.finished:
-            choice["finish_reason"] = event.finish_reason or "length"
-        extra: dict[str, Any] = {"kairos": route_field(self.route)} if event.index == 0 else {}
-        if self.continuous_usage:
-            extra["usage"] = usage(self.prompt_tokens, event.index + 1)
+            choice["text"] = self._echo() + text if first else text
+            choice["logprobs"], self._text_offset = self._completion_logprobs(tokens, self._text_offset)
+            if first and self.options.return_token_ids:
+                choice["prompt_token_ids"] = list(self.request.prompt_token_ids)
+        choice["finish_reason"] = (last.finish_reason or "length") if last.finished else None
+        choice["stop_reason"] = last.stop_reason if last.finished else None
+        if self.options.return_token_ids:
+            choice["token_ids"] = [t.token_id for t in tokens]
+        if self.options.continuous_usage:
+            extra["usage"] = usage(self.prompt_tokens, last.index + 1)
         return self._event(self._chunk([choice], **extra))
 
     def usage(self, completion_tokens: int) -> str:
@@ -132,3 +235,7 @@ class ResponseWriter:
     @staticmethod
     def done() -> str:
         return "data: [DONE]\n\n"
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))

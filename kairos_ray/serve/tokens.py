@@ -1,48 +1,243 @@
-"""Prompt tokens as the engines will see them, counted before routing.
+"""Requests as vLLM's OpenAI server reads them, before routing: parsed, rendered, their sampling parameters built.
 
-The router decides on the prompt's length, so the ingress tokenizes first.
-With vLLM engines it uses the model's own tokenizer (and chat template) and
-hands the token ids to the engines; with emulated engines a prompt counts one
-token per word (``serve.protocol``) and carries no ids.
+The router decides on the prompt's length, so the ingress renders the prompt
+first. With vLLM engines it does what vLLM's server does, with vLLM's own
+code: its protocol models parse the body (``serve.protocol``), its
+``OnlineRenderer`` applies the chat template (tools, documents and template
+arguments passed to it, text content parts joined as the template expects)
+and tokenizes, ``get_max_tokens`` resolves ``max_tokens`` (up to the context
+when the request leaves it out), the request model's ``to_sampling_params``
+builds the ``SamplingParams``, and vLLM's ``InputProcessor`` checks them
+against the model (vocabulary, logprob limits, structured-output grammars).
+A request vLLM's server refuses is a 400 here too, never a failure on an
+engine. The engines take the token ids and the ``SamplingParams`` as they are.
+
+Emulated engines have no model: a text prompt counts one token per
+whitespace-separated word (a prompt may also be token ids), a chat request
+its messages' words plus 4 tokens per message for the template. The body is
+parsed, refused and its ``SamplingParams`` built as for vLLM engines; nothing
+is checked against a model, and fields that shape the prompt (templating,
+truncation, special tokens) change nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
-from jinja2 import TemplateError
+from pydantic import ValidationError
+from vllm.entrypoints.serve import create_error_response
+from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+from vllm.exceptions import VLLMValidationError
 
-from kairos_ray.serve.protocol import ChatCompletionRequest, CompletionRequest
+from kairos_ray.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIRequest,
+    PreparedRequest,
+    RequestError,
+    ResponseOptions,
+    refusal,
+)
+
+TEMPLATE_TOKENS_PER_MESSAGE = 4  # emulated engines: what a chat template adds per message
 
 
-class PromptTokenizer:
-    """``source``: the model's tokenizer location (vLLM engines), or None (emulated engines)."""
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    err = exc.errors()[0]
+    param = ".".join(str(p) for p in err["loc"]) or None
+    value = repr(err.get("input"))
+    value = value if len(value) <= 80 else value[:77] + "..."
+    return f"{param}: {err['msg'].removeprefix('Value error, ')} (got {value})" if param else err["msg"], param
 
-    def __init__(self, source: str | None) -> None:
-        self.tokenizer: Any = None
-        if source is not None:
-            from transformers import AutoTokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(source)
+def parse(data: Any, chat: bool) -> OpenAIRequest:
+    """The body as vLLM's server parses it; raises ``RequestError``."""
+    if not isinstance(data, dict):
+        raise RequestError(400, "request body must be a JSON object")
+    kind = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        return kind.model_validate(data)
+    except ValidationError as exc:
+        raise RequestError(400, *_validation_message(exc)) from None
+    except VLLMValidationError as exc:
+        raise RequestError(400, str(exc.args[0]) if exc.args else str(exc), exc.parameter) from None
+    except Exception as exc:  # vLLM's validators run on whatever the body holds: what they trip on is the body's fault
+        raise RequestError(400, f"invalid request: {type(exc).__name__}: {exc}") from None
 
-    def __call__(self, request: CompletionRequest | ChatCompletionRequest) -> tuple[int, tuple[int, ...]]:
-        """(prompt tokens, their ids: empty for emulated engines)."""
-        if self.tokenizer is None:
-            return request.prompt_tokens(), ()
-        if isinstance(request, ChatCompletionRequest):
-            messages = [m.model_dump(exclude_none=True) for m in request.messages]
-            try:
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            except (TemplateError, TypeError, KeyError, IndexError) as exc:  # the template refused these messages
-                raise ValueError(f"the chat template cannot render these messages: {exc}") from None
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers return an encoding
-                ids = ids["input_ids"]
-        elif isinstance(request.prompt, list) and isinstance(request.prompt[0], int):
-            ids = request.prompt
-            vocab = len(self.tokenizer)
-            if any(not 0 <= int(t) < vocab for t in ids):
-                raise ValueError(f"prompt token ids must lie in [0, {vocab}) for this model")
+
+def _client_error(exc: Exception, param: str | None = None) -> RequestError:
+    """The 4xx vLLM's server answers for ``exc``; re-raises what it would answer with a 5xx."""
+    error = create_error_response(exc).error
+    if error.code >= 500:
+        raise exc
+    return RequestError(error.code, error.message, error.param or param)
+
+
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+def _emulated_prompt(request: OpenAIRequest) -> tuple[int, str]:
+    """(prompt tokens, prompt text) as emulated engines count them."""
+    if isinstance(request, ChatCompletionRequest):
+        count = 0
+        for message in request.messages:
+            content = message.get("content")
+            if isinstance(content, str):
+                count += _words(content)
+            elif isinstance(content, list):
+                count += sum(_words(str(part.get("text", ""))) for part in content)
+            count += TEMPLATE_TOKENS_PER_MESSAGE
+        return count, ""
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return len(prompt), ""
+    text = prompt if isinstance(prompt, str) else str(prompt[0]) if prompt else ""
+    return _words(text), text
+
+
+def _requested_max_tokens(request: OpenAIRequest) -> int | None:
+    """The request's output limit as vLLM's server reads it (chat: ``max_completion_tokens``, else ``max_tokens``)."""
+    if isinstance(request, ChatCompletionRequest):
+        if request.max_completion_tokens is not None:
+            return request.max_completion_tokens
+        with warnings.catch_warnings():  # chat's deprecated max_tokens still counts, as in vLLM's server
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return request.max_tokens
+    return request.max_tokens
+
+
+class Preprocessor:
+    """Turns request bodies into ``PreparedRequest`` s for one model.
+
+    ``model_source``/``engine_kwargs``: the decode pool's vLLM model and engine
+    arguments (the prompt is rendered and checked as its engines will see it),
+    or None for emulated engines. ``context_tokens``: prompt + output must fit.
+    """
+
+    def __init__(
+        self,
+        model_id: str,
+        context_tokens: int,
+        model_source: str | None = None,
+        engine_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.model_id = model_id
+        self.context_tokens = context_tokens
+        self.defaults: dict[str, Any] = {}  # the model's generation config, as vLLM's server reads it
+        self.override_max_tokens: int | None = None
+        self.renderer: Any = None  # vllm.renderers.online_renderer.OnlineRenderer
+        self.processor: Any = None  # vllm.v1.engine.input_processor.InputProcessor
+        if model_source is not None:
+            self._load(model_source, engine_kwargs or {})
+
+    def _load(self, model_source: str, engine_kwargs: Mapping[str, Any]) -> None:
+        """vLLM's render server's set-up: a model config and a renderer, no engine."""
+        from vllm import AsyncEngineArgs
+        from vllm.config import VllmConfig
+        from vllm.renderers import renderer_from_config
+        from vllm.renderers.online_renderer import OnlineRenderer
+        from vllm.v1.engine.input_processor import InputProcessor
+
+        args = AsyncEngineArgs(model=model_source, **engine_kwargs)
+        model_config = args.create_model_config()
+        model_config.quantization = None  # the ingress runs no kernels
+        structured = args.create_structured_outputs_config()
+        config = VllmConfig(model_config=model_config, structured_outputs_config=structured)
+        renderer = renderer_from_config(config)
+        self.renderer = OnlineRenderer(
+            model_config, renderer, request_logger=None, chat_template=None, chat_template_content_format="auto"
+        )
+        self.processor = InputProcessor(config, renderer)
+        self.defaults = model_config.get_diff_sampling_param()
+        if model_config.generation_config not in ("auto", "vllm"):
+            self.override_max_tokens = self.defaults.get("max_tokens")
         else:
-            text = request.prompt if isinstance(request.prompt, str) else str(request.prompt[0])
-            ids = self.tokenizer.encode(text)
-        return len(ids), tuple(int(t) for t in ids)
+            self.override_max_tokens = (model_config.override_generation_config or {}).get("max_new_tokens")
+        self.context_tokens = min(self.context_tokens, model_config.max_model_len)
+
+    @property
+    def vllm(self) -> bool:
+        """Requests go to vLLM engines (else emulated ones)."""
+        return self.renderer is not None
+
+    async def prepare(self, data: Any, chat: bool, off_loop: bool = False) -> PreparedRequest:
+        """The request in ``data`` (a parsed JSON body); raises ``RequestError``.
+
+        ``off_loop``: parse (and count an emulated prompt) in a thread, for large bodies.
+        """
+        request = await asyncio.to_thread(parse, data, chat) if off_loop else parse(data, chat)
+        if request.model is not None and request.model != self.model_id:  # a 404, as vLLM's server and OpenAI say
+            message = f"model {request.model!r} is not served here; available: {self.model_id!r}"
+            raise RequestError(404, message, "model")
+        refused = refusal(request)
+        if refused is not None:
+            raise refused
+        param = "messages" if chat else "prompt"
+        prompt_ids: tuple[int, ...] = ()
+        engine_input: Any = None
+        if self.renderer is None:
+            count = _emulated_prompt
+            prompt_tokens, prompt_text = await asyncio.to_thread(count, request) if off_loop else count(request)
+        else:
+            engine_input = await self._render(request)
+            prompt_ids = tuple(engine_input["prompt_token_ids"])
+            prompt_tokens, prompt_text = len(prompt_ids), str(engine_input.get("prompt") or "")
+        if prompt_tokens < 1:
+            raise RequestError(400, f"{param} is empty: it has no tokens", param)
+        requested = _requested_max_tokens(request)
+        if requested is not None and prompt_tokens + requested > self.context_tokens:
+            raise RequestError(
+                400,
+                f"prompt ({prompt_tokens} tokens) plus max_tokens ({requested}) exceeds the "
+                f"{self.context_tokens}-token context",
+                param,
+            )
+        try:
+            max_tokens = get_max_tokens(
+                self.context_tokens,
+                requested,
+                prompt_tokens,
+                self.defaults,
+                self.override_max_tokens,
+                truncate_prompt_tokens=request.truncate_prompt_tokens,
+            )
+            sampling = request.to_sampling_params(max_tokens, self.defaults)
+            if self.processor is not None:  # what vLLM's engine front end checks before it takes a request
+                self.processor.process_inputs("check", engine_input, sampling, ("generate",), priority=request.priority)
+        except Exception as exc:
+            raise _client_error(exc, param) from None
+        # the client's request_id names the response, as in vLLM's server (Serve sets X-Request-Id on every request)
+        response_id = request.request_id if "request_id" in request.model_fields_set else None
+        return PreparedRequest(
+            prompt_token_ids=prompt_ids,
+            prompt_tokens=prompt_tokens,
+            prompt_text=prompt_text,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            options=ResponseOptions.of(request, response_id),
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+        )
+
+    async def _render(self, request: OpenAIRequest) -> Any:
+        """vLLM's engine input for ``request``: its prompt token ids (and text)."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        try:
+            if isinstance(request, ChatCompletionRequest):
+                rendered = await self.renderer.render_chat(request)
+                if not isinstance(rendered, ErrorResponse):
+                    rendered = rendered[1]
+            else:
+                rendered = await self.renderer.render_completion(request)
+        except Exception as exc:
+            raise _client_error(exc) from None
+        if isinstance(rendered, ErrorResponse):
+            raise RequestError(rendered.error.code, rendered.error.message, rendered.error.param)
+        return rendered[0]

@@ -25,7 +25,7 @@ KV_SCALE = 1000
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)  # its own, whatever else runs here
     yield
     ray.shutdown()
 

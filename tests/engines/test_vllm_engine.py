@@ -26,8 +26,13 @@ KV_TIMEOUT_S = 5.0
 MODEL = KairosConfig.model_validate({"predictor": {"profile": "cpu-tiny-llama"}}).predictor.load()
 
 
-def request(rid: int, prompt: list[int], schedule: tuple[int, ...] = (), receiver: str = "") -> EngineRequest:
-    return EngineRequest(rid, len(prompt), OUTPUT, time.time(), schedule, tuple(prompt), GREEDY, receiver)
+def request(
+    rid: int, prompt: list[int], schedule: tuple[int, ...] = (), receiver: str = "", **sampling
+) -> EngineRequest:
+    from vllm import SamplingParams
+
+    params = SamplingParams(**{**GREEDY, **sampling})
+    return EngineRequest(rid, len(prompt), OUTPUT, time.time(), schedule, tuple(prompt), params, kv_receiver=receiver)
 
 
 @ray.remote(num_cpus=0)
@@ -56,7 +61,7 @@ def never(seconds: float) -> bytes:
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     """(run, prefill engine, decode engine, states pushed by each)."""
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)  # its own, whatever else runs here
     states = {"prefill": [], "decode": []}
 
     def per_role(role):
@@ -163,6 +168,36 @@ def test_deflected_requests_match_a_plain_run(nodes, reference):
     for i, prompt in enumerate(PROMPTS):
         schedule = (256, 128, len(prompt) - 384) if len(prompt) > 400 else (len(prompt),)
         assert run(tokens(decode, request(200 + i, prompt, schedule), None)) == reference[i]
+
+
+def test_the_decode_node_samples_with_the_requests_parameters_on_both_routes(nodes):
+    """A seeded, penalised sample with logprobs: a hand-off (the prefill node's own greedy token dropped) and a
+    deflection each give the tokens and logprobs of one plain engine run with the same parameters."""
+    from vllm import SamplingParams
+
+    run, prefill, decode, _ = nodes
+    sampling = {"temperature": 0.9, "seed": 11, "top_k": 50, "presence_penalty": 0.5, "logprobs": 3}
+    prompt = PROMPTS[2]
+
+    async def plain() -> list:
+        params = SamplingParams(max_tokens=OUTPUT, **{**GREEDY, **sampling})
+        final = None
+        async for out in decode.llm.generate({"prompt_token_ids": prompt}, params, request_id="seeded-ref"):
+            final = out.outputs[0]
+        return [(t, lp[t].logprob) for t, lp in zip(final.token_ids, final.logprobs, strict=True)]
+
+    async def events(req, handoff) -> list:
+        return [event async for ready in decode.generate(req, handoff) for event in ready]
+
+    reference = run(plain())
+    handed_off = request(800, prompt, **sampling)
+    deflected = request(801, prompt, (512, 183), **sampling)
+    for got in (run(events(handed_off, run(prefill.prefill(handed_off)))), run(events(deflected, None))):
+        assert [e.token_id for e in got] == [t for t, _ in reference]
+        assert [e.logprobs[0].token_id for e in got] == [t for t, _ in reference]  # the sampled token's first
+        assert [e.logprobs[0].logprob for e in got] == pytest.approx([lp for _, lp in reference], abs=1e-4)
+        assert all(len(e.logprobs) >= 3 for e in got)
+    prefill.release(handed_off.request_id)
 
 
 def lost_handoff(run, prefill, req) -> KVHandoff:

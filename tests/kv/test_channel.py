@@ -48,7 +48,7 @@ class Sender:
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)  # its own, whatever else runs here
     yield
     ray.shutdown()
 

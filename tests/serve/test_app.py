@@ -121,8 +121,9 @@ def test_tokens_are_deterministic(live_app):
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"model": "gpt-9", "prompt": "x"}, "model"),
-        ({"model": MODEL, "prompt": "x", "temperature": 5}, "temperature"),
+        ({"model": MODEL, "prompt": "x", "temperature": -1}, "temperature"),
+        ({"model": MODEL, "prompt": "x", "logprobs": 2, "echo": True}, "echo"),
+        ({"model": MODEL, "prompt": "x", "kv_transfer_params": {}}, "kv_transfer_params"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "n": 2}, "n"),
         ({"model": MODEL}, "prompt"),
@@ -135,6 +136,12 @@ def test_bad_requests_get_a_400_error_object(live_app, body, param):
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+
+
+def test_an_unknown_model_is_a_404_naming_it(live_app):
+    url, _ = live_app
+    r = httpx.post(f"{url}/v1/completions", json={"model": "gpt-9", "prompt": "x"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
 def test_malformed_json_is_a_400_and_the_service_keeps_serving(live_app):

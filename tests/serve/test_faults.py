@@ -361,7 +361,7 @@ def fuzz_once(client: httpx.Client, codes: list[int], body, chat: bool, raw: byt
 def test_generated_bodies_never_get_a_5xx_and_the_app_keeps_serving(app):
     """Thousands of generated bodies (valid, almost valid and garbage) against a live emulated app."""
     url, _ = app
-    fast = app_args(time_scale=0.001)
+    fast = app_args(time_scale=0.001, context_tokens=128)  # a chat request without max_tokens fills the context
     serve.run(build_app(fast), name="fuzz", route_prefix="/fuzz")
     try:
         body = {"model": MODEL, "prompt": "ready", "max_tokens": 1}

@@ -1,17 +1,29 @@
 """The ingress's response shapes, without Serve: OpenAI bodies, server-sent events and the route report.
 
-The whole ingress under real Serve and HTTP clients is in ``test_app.py``.
+Logprobs are checked against vLLM's own server code for the same engine
+output. The whole ingress under real Serve and HTTP clients is in
+``test_app.py``; against vLLM's server, in ``test_vllm_app.py``.
 """
 
+import asyncio
+import dataclasses
+import functools
 import json
+import types
 
 import pytest
+from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+from vllm.logprobs import Logprob
 
 from kairos_ray.core import Route
-from kairos_ray.messages import TokenEvent, TTFTBreakdown
+from kairos_ray.messages import TokenEvent, TokenLogprob, TTFTBreakdown
 from kairos_ray.serve.auth import ApiKeys
 from kairos_ray.serve.dispatch import RouteTaken
+from kairos_ray.serve.protocol import PreparedRequest
 from kairos_ray.serve.responses import ResponseWriter, route_headers
+from kairos_ray.serve.tokens import Preprocessor
 
 DEFLECTED = RouteTaken(
     request_id=42,
@@ -46,6 +58,13 @@ def tokens(count: int) -> list[TokenEvent]:
     ]
 
 
+def prepared(body: dict, chat: bool = False, prompt_tokens: int | None = None) -> PreparedRequest:
+    """A request as the ingress prepares it for emulated engines (no model)."""
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]} if chat else {"model": "m", "prompt": "x"}
+    request = asyncio.run(Preprocessor("m", 32_768).prepare({**base, **body}, chat))
+    return request if prompt_tokens is None else dataclasses.replace(request, prompt_tokens=prompt_tokens)
+
+
 def events(lines: list[str]) -> list[dict]:
     assert all(line.startswith("data: ") and line.endswith("\n\n") for line in lines)
     return [json.loads(line[6:]) for line in lines if line != "data: [DONE]\n\n"]
@@ -65,7 +84,7 @@ def test_headers_report_the_route_and_a_breakdown_that_adds_up(route):
 
 
 def test_a_full_completion_body_counts_its_tokens_and_carries_the_route():
-    body = ResponseWriter("m", False, DEFLECTED, prompt_tokens=1636).full(tokens(3))
+    body = ResponseWriter("m", DEFLECTED, prepared({}, prompt_tokens=1636)).full(tokens(3))
     assert body["id"] == "cmpl-42" and body["object"] == "text_completion" and body["model"] == "m"
     (choice,) = body["choices"]
     assert choice["text"] == " t0 t1 t2" and choice["finish_reason"] == "stop"
@@ -74,10 +93,10 @@ def test_a_full_completion_body_counts_its_tokens_and_carries_the_route():
 
 
 def test_a_chat_stream_opens_with_the_role_and_the_route_and_closes_with_usage():
-    writer = ResponseWriter("m", True, HANDED_OFF, prompt_tokens=7)
-    lines = [writer.token(t) for t in tokens(3)] + [writer.usage(3), writer.done()]
-    assert lines[-1] == "data: [DONE]\n\n"
-    chunks = events(lines)
+    writer = ResponseWriter("m", HANDED_OFF, prepared({"stream": True}, chat=True, prompt_tokens=7))
+    done = writer.done()
+    assert done == "data: [DONE]\n\n"
+    chunks = split(writer.tokens(tokens(3)) + writer.usage(3))
     assert all(c["id"] == "chatcmpl-43" and c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"content": " t0", "role": "assistant"}
     assert chunks[0]["kairos"]["prefill_node"] == "prefill-b" and "kairos" not in chunks[1]
@@ -101,10 +120,87 @@ def test_api_keys_come_from_the_config_the_environment_and_a_file(tmp_path, monk
         ApiKeys.gather([], None, "nowhere")
 
 
+def split(stream: str) -> list[dict]:
+    """The data events of a chunk of server-sent events."""
+    return events([event + "\n\n" for event in stream.split("\n\n")[:-1]])
+
+
 def test_continuous_usage_counts_the_tokens_so_far_in_every_event():
-    writer = ResponseWriter("m", False, DEFLECTED, prompt_tokens=10, continuous_usage=True)
-    chunks = events([writer.token(t) for t in tokens(3)])
+    usage = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    writer = ResponseWriter("m", DEFLECTED, prepared(usage, prompt_tokens=10))
+    chunks = split(writer.tokens(tokens(3)))
     assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3]
     assert all(c["usage"]["prompt_tokens"] == 10 for c in chunks)
-    plain = events([ResponseWriter("m", False, DEFLECTED, prompt_tokens=10).token(tokens(1)[0])])
+    plain = split(ResponseWriter("m", DEFLECTED, prepared({"stream": True})).tokens(tokens(1)))
     assert "usage" not in plain[0]
+
+
+# One generated position per token: (sampled id, {id: (decoded, logprob)}) with the sampled token's entry first.
+POSITIONS = [
+    (7, {7: ("Ġthe", -0.25), 9: ("Ġa", -1.5), 3: ("x", -2.0), 8: ("y", -float("inf"))}),
+    (9, {9: ("é", -0.5), 7: ("Ġthe", -0.75), 4: ("z", -3.0), 5: ("w", -4.0)}),
+    (4, {4: ("z", -3.25), 9: ("é", -0.5), 7: ("Ġthe", -0.75), 5: ("w", -4.0)}),
+]
+
+
+def logprob_tokens() -> list[TokenEvent]:
+    return [
+        TokenEvent(
+            tid,
+            i,
+            i == len(POSITIONS) - 1,
+            "decode-a",
+            text=entries[tid][0],
+            finish_reason="length" if i == len(POSITIONS) - 1 else None,
+            logprobs=tuple(TokenLogprob(t, d, lp) for t, (d, lp) in entries.items()),
+        )
+        for i, (tid, entries) in enumerate(POSITIONS)
+    ]
+
+
+def vllm_logprobs(chat: bool, top: int, as_ids: bool = False) -> dict:
+    """What vLLM's own server writes for ``POSITIONS``."""
+    ids = [tid for tid, _ in POSITIONS]
+    dicts = [{t: Logprob(lp, None, d) for t, (d, lp) in entries.items()} for _, entries in POSITIONS]
+    server = types.SimpleNamespace(
+        _get_decoded_token=GenerateBaseServing._get_decoded_token, return_tokens_as_token_ids=as_ids
+    )
+    if chat:
+        server._get_top_logprobs = functools.partial(OpenAIServingChat._get_top_logprobs, server)
+        made = OpenAIServingChat._create_chat_logprobs(server, ids, dicts, None, top)
+    else:
+        made = OpenAIServingCompletion._create_completion_logprobs(server, ids, dicts, top, None)
+    return made.model_dump()
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("top, as_ids", [(0, False), (2, False), (-1, False), (1, True)])
+def test_logprobs_are_written_as_vllms_server_writes_them_streamed_or_not(chat, top, as_ids):
+    asked = {"logprobs": True, "top_logprobs": top} if chat else {"logprobs": top}
+    asked["return_tokens_as_token_ids"] = as_ids
+    expected = vllm_logprobs(chat, top, as_ids)
+    full = ResponseWriter("m", DEFLECTED, prepared(asked, chat)).full(logprob_tokens())
+    assert full["choices"][0]["logprobs"] == expected
+    streamed = split(ResponseWriter("m", DEFLECTED, prepared({**asked, "stream": True}, chat)).tokens(logprob_tokens()))
+    parts = [c["choices"][0]["logprobs"] for c in streamed]
+    if chat:
+        assert [entry for part in parts for entry in part["content"]] == expected["content"]
+    else:
+        assert {key: [v for part in parts for v in part[key]] for key in expected} == expected
+
+
+def test_echo_token_ids_and_the_clients_request_id_shape_the_body():
+    body = ResponseWriter("m", DEFLECTED, prepared({"prompt": "one two", "echo": True})).full(tokens(2))
+    assert body["choices"][0]["text"] == "one two t0 t1"
+    ids = ResponseWriter("m", DEFLECTED, prepared({"return_token_ids": True, "request_id": "abc"})).full(tokens(2))
+    assert ids["id"] == "cmpl-abc" and ids["choices"][0]["token_ids"] == [100, 101]
+    assert ids["choices"][0]["stop_reason"] is None and ids["choices"][0]["text"] == " t0 t1"
+    chat = ResponseWriter("m", HANDED_OFF, prepared({"request_id": "mine"}, chat=True)).full(tokens(1))
+    assert chat["id"] == "chatcmpl-mine" and chat["choices"][0]["message"]["role"] == "assistant"
+    assert ResponseWriter("m", HANDED_OFF, prepared({}, chat=True)).full(tokens(1))["id"] == "chatcmpl-43"
+
+
+def test_stream_interval_sends_the_tokens_that_come_together_in_one_event():
+    grouped = split(ResponseWriter("m", DEFLECTED, prepared({"stream": True, "stream_interval": 4})).tokens(tokens(3)))
+    assert len(grouped) == 1 and grouped[0]["choices"][0]["text"] == " t0 t1 t2"
+    assert grouped[0]["choices"][0]["finish_reason"] == "stop"

@@ -1,30 +1,48 @@
 """End to end on real vLLM CPU engines: ``serve_configs/2p2d-cpu.yaml`` under ``serve.run``, the openai client.
 
 The shipped config decides with the Kairos policy; here the ``sl:<tokens>``
-baseline routes instead (short prompts deflected, long ones disaggregated), so
-that both routes are taken on purpose, whatever this machine's speed.
+baseline routes instead (short prompts deflected in 128-token chunks, long
+ones disaggregated), so that both routes are taken on purpose, whatever this
+machine's speed. The
+context is 1,024 tokens (engines and app), so that a request without
+``max_tokens``, which runs to the end of the context, ends soon.
+
+Beside the app runs vLLM's own OpenAI server on the same model and engine
+arguments: the same requests to both must give the same answers, on both
+routes, and every field of vLLM's request models is honoured as there or
+refused with a 400.
 """
 
 import contextlib
+import dataclasses
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 from ray import serve
 from transformers import AutoTokenizer
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
 from kairos_ray.bench import faults
 from kairos_ray.messages import Role
 from kairos_ray.serve.args import AppArgs
-from tests.serve.conftest import running_app
+from tests.serve.conftest import free_port, running_app
 from tests.serve.test_args import args_of
 
 MODEL = "tiny-llama"
-SHORT, LONG = 120, 700  # prompt words: deflected (<= 400 tokens) and disaggregated
+SHORT, LONG = 120, 300  # prompt words: deflected (241 tokens, <= 400) and disaggregated (601 tokens)
+CONTEXT = 1024
 WORDS = [
     "the",
     "quick",
@@ -49,19 +67,68 @@ def prompt(words: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def cpu_app():
+def vllm_server(tmp_path_factory):
+    """vLLM's OpenAI server on the app's model and engine arguments (base URL); stopped with the module.
+
+    It prefills every prompt in one step: vLLM's CPU engine dies on a seeded
+    request prefilled in several (the app's engines have that fixed,
+    ``engines.vllm_worker``).
+    """
+    pool = AppArgs.model_validate(cpu_args()).decode_config
+    flags = []
+    for name, value in {**pool.engine_kwargs, "max_num_batched_tokens": CONTEXT}.items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
+    port = free_port()
+    # at the niceness of Ray's workers, so that neither starves the other's engines on two cores
+    command = ["nice", "-n", "15", sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               pool.model_loading_config.source, "--served-model-name", MODEL, "--host", "127.0.0.1",
+               "--port", str(port), *flags]  # fmt: skip
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    with log.open("w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, f"vLLM's server exited: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"vLLM's server not up in 600 s: {log.read_text()[-3000:]}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            time.sleep(1)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(30)
+
+
+def cpu_args() -> dict:
     args = args_of("2p2d-cpu.yaml")
     args["kairos"]["policy"]["name"] = "sl:400"
+    args["kairos"]["policy"]["static_chunk_tokens"] = 128  # deflections run in several chunks
     args["serving"]["engine_stall_timeout_s"] = 8.0  # a stopped engine core shows within seconds
-    with running_app(args, MODEL, ready_within_s=420) as urls:
+    args["serving"]["context_tokens"] = CONTEXT
+    for pool in ("prefill_config", "decode_config"):
+        args[pool]["engine_kwargs"] = {**args[pool]["engine_kwargs"], "max_model_len": CONTEXT}
+    return args
+
+
+@pytest.fixture(scope="module")
+def cpu_app(vllm_server):
+    """The app (base URL, metrics URL), started once vLLM's server is up beside it."""
+    with running_app(cpu_args(), MODEL, ready_within_s=420) as urls:
         yield urls
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(
-        AppArgs.model_validate(args_of("2p2d-cpu.yaml")).decode_config.model_loading_config.source
-    )
+    return AutoTokenizer.from_pretrained(AppArgs.model_validate(cpu_args()).decode_config.model_loading_config.source)
 
 
 def streamed(max_tokens: int) -> dict:
@@ -120,7 +187,7 @@ def test_token_ids_outside_the_vocabulary_are_a_400(cpu_app):
     url, _ = cpu_app
     r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [5, 99_999], "max_tokens": 2}, timeout=60)
     assert r.status_code == 400
-    assert "token ids" in r.json()["error"]["message"]
+    assert "out of vocabulary" in r.json()["error"]["message"]  # vLLM's input processor's check
 
 
 def test_decode_nodes_export_their_kv_recomputes(cpu_app):
@@ -133,6 +200,389 @@ def test_decode_nodes_export_their_kv_recomputes(cpu_app):
         time.sleep(2)
     assert len(lines) == 2 and all('node="decode-' in line for line in lines)  # one per decode node
     assert all(float(line.rsplit(" ", 1)[1]) == 0 for line in lines)
+
+
+def answer(response: dict, chat: bool) -> dict:
+    """What the comparisons read of a non-streamed response body."""
+    (choice,) = response["choices"]
+    return {
+        "id": response["id"],
+        "text": choice["message"]["content"] if chat else choice["text"],
+        "finish_reason": choice["finish_reason"],
+        "stop_reason": choice.get("stop_reason"),
+        "usage": {k: response["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+        "logprobs": choice["logprobs"],
+        "token_ids": choice.get("token_ids"),
+        "prompt_token_ids": response.get("prompt_token_ids") if chat else choice.get("prompt_token_ids"),
+        "prompt_text": response.get("prompt_text"),
+    }
+
+
+def streamed_answer(events: list[dict], chat: bool) -> dict:
+    """``answer`` for the data events of a stream: their texts, logprobs and token ids joined."""
+    choices = [e["choices"][0] for e in events if e.get("choices")]
+    logprobs: Any = None
+    for choice in choices:
+        part = choice.get("logprobs")
+        if part is None:
+            continue
+        if chat:
+            logprobs = {"content": (logprobs or {"content": []})["content"] + part["content"]}
+        else:
+            logprobs = {key: (logprobs or {}).get(key, []) + values for key, values in part.items()}
+    token_ids = [t for c in choices for t in c.get("token_ids") or []] or None
+    prompt_ids = next((p for p in (e.get("prompt_token_ids") for e in events) if p), None)
+    if not chat:
+        prompt_ids = next((c["prompt_token_ids"] for c in choices if c.get("prompt_token_ids")), None)
+    (usage,) = [e["usage"] for e in events if e.get("usage") and not e.get("choices")] or [None]
+    return {
+        "id": events[0]["id"],
+        "text": "".join((c["delta"].get("content") or "") if chat else c["text"] for c in choices),
+        "finish_reason": choices[-1]["finish_reason"],
+        "stop_reason": choices[-1].get("stop_reason"),
+        "usage": usage and {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+        "logprobs": logprobs,
+        "token_ids": token_ids,
+        "prompt_token_ids": prompt_ids,
+        "prompt_text": next((e["prompt_text"] for e in events if e.get("prompt_text")), None),
+        "events": len(choices),
+        "usage_events": sum(1 for e in events if e.get("usage")),
+    }
+
+
+@dataclasses.dataclass
+class Reply:
+    status: int
+    headers: httpx.Headers
+    body: dict  # ``answer`` / ``streamed_answer``, or the error object
+
+
+def ask(url: str, chat: bool, body: dict, stream: bool = False) -> Reply:
+    """One request; streamed ones ask for usage (unless the body sets stream options itself)."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": MODEL, **body}
+    if not stream:
+        r = httpx.post(f"{url}{path}", json=body, timeout=600)
+        return Reply(r.status_code, r.headers, answer(r.json(), chat) if r.status_code == 200 else r.json())
+    body = {"stream": True, "stream_options": {"include_usage": True}, **body}
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            return Reply(r.status_code, r.headers, json.loads(r.read()))
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    events = [json.loads(line) for line in lines[:-1]]
+    assert not any("error" in e for e in events), events
+    return Reply(200, r.headers, streamed_answer(events, chat))
+
+
+LOGPROB_TOLERANCE = 1e-3  # float32 results of differently chunked prefills (deflected: the router's chunks)
+
+
+def assert_logprobs_close(ours: Any, theirs: Any) -> None:
+    if ours is None or theirs is None:
+        assert ours is theirs
+        return
+    if "content" in theirs:  # chat
+        assert len(ours["content"]) == len(theirs["content"])
+        for mine, vllm in zip(ours["content"], theirs["content"], strict=True):
+            assert (mine["token"], mine["bytes"]) == (vllm["token"], vllm["bytes"])
+            assert mine["logprob"] == pytest.approx(vllm["logprob"], abs=LOGPROB_TOLERANCE)
+            assert [(t["token"], t["bytes"]) for t in mine["top_logprobs"]] == [
+                (t["token"], t["bytes"]) for t in vllm["top_logprobs"]
+            ]
+            assert [t["logprob"] for t in mine["top_logprobs"]] == pytest.approx(
+                [t["logprob"] for t in vllm["top_logprobs"]], abs=LOGPROB_TOLERANCE
+            )
+        return
+    assert (ours["tokens"], ours["text_offset"]) == (theirs["tokens"], theirs["text_offset"])
+    assert ours["token_logprobs"] == pytest.approx(theirs["token_logprobs"], abs=LOGPROB_TOLERANCE)
+    for mine, vllm in zip(ours["top_logprobs"], theirs["top_logprobs"], strict=True):
+        assert mine.keys() == vllm.keys()
+        assert mine == pytest.approx(vllm, abs=LOGPROB_TOLERANCE)
+
+
+COMPARED = ("text", "finish_reason", "stop_reason", "usage", "token_ids", "prompt_token_ids", "prompt_text")
+
+
+def assert_same_answer(ours: Reply, theirs: Reply, keys: tuple[str, ...] = COMPARED) -> None:
+    assert ours.status == theirs.status == 200, (ours.body, theirs.body)
+    assert {k: ours.body[k] for k in keys} == {k: theirs.body[k] for k in keys}
+    assert_logprobs_close(ours.body["logprobs"], theirs.body["logprobs"])
+
+
+def request_of(chat: bool, words: int, *fields: dict, **more: Any) -> dict:
+    """A body for either endpoint with a prompt of ``words`` words (chat: one user message), fields merged in order."""
+    body = {"messages": [{"role": "user", "content": prompt(words)}]} if chat else {"prompt": prompt(words)}
+    for each in (*fields, more):
+        body.update(each)
+    return body
+
+
+def words_only() -> list[int]:
+    """The ids of the tokenizer's lower-case word tokens.
+
+    The model's vocabulary (1,024) is larger than its tokenizer's (610): most
+    tokens its random weights favour decode to nothing, so requests whose text
+    must show an effect (stop strings) are kept to these tokens.
+    """
+    path = AppArgs.model_validate(cpu_args()).decode_config.model_loading_config.source
+    vocab = json.loads((Path(path) / "tokenizer.json").read_text())["model"]["vocab"]
+    return sorted(i for token, i in vocab.items() if re.fullmatch(r"Ġ?[a-z]{2,}", token))
+
+
+WORDS_ONLY = {"allowed_token_ids": words_only()}
+
+
+def ascii_stop(text: str) -> str:
+    """Three letters from the middle of a greedy answer, a stop string that must end it early."""
+    for start in range(len(text) // 3, len(text) - 3):
+        if text[start : start + 3].isascii() and text[start : start + 3].isalpha():
+            return text[start : start + 3]
+    pytest.fail(f"no ascii stop string in {text!r}")
+
+
+Case = Callable[[Callable[[dict], Reply]], dict]  # a case's extra fields, given a way to ask vLLM's server first
+
+DIFFERENTIAL: dict[str, Case] = {
+    "greedy": lambda ref: {"max_tokens": 24, "temperature": 0.0},
+    "logprobs": lambda ref: {"max_tokens": 12, "temperature": 0.0, "logprobs": 3},
+    "seeded": lambda ref: {"max_tokens": 24, "temperature": 0.8, "top_p": 0.95, "seed": 1234},
+    "stop": lambda ref: {
+        "max_tokens": 32,
+        "temperature": 0.0,
+        **WORDS_ONLY,
+        "stop": [ascii_stop(ref({"max_tokens": 32, "temperature": 0.0, **WORDS_ONLY}).body["text"])],
+    },
+    "stop_token_ids": lambda ref: {
+        "max_tokens": 24,
+        "temperature": 0.0,
+        "stop_token_ids": [ref({"max_tokens": 24, "temperature": 0.0, "return_token_ids": True}).body["token_ids"][6]],
+    },
+    "max_tokens omitted": lambda ref: {"temperature": 0.0},
+    "json_object": lambda ref: {"max_tokens": 24, "temperature": 0.0, "response_format": {"type": "json_object"}},
+}
+
+
+@pytest.mark.parametrize("route, words", [("deflect", SHORT), ("prefill", LONG)])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("case", list(DIFFERENTIAL))
+def test_answers_equal_vllms_own_server_on_both_routes(cpu_app, vllm_server, case, chat, route, words):
+    """Same text, finish and stop reasons, usage and logprobs as vLLM's server, streamed or not."""
+    url, _ = cpu_app
+
+    def reference(fields: dict) -> Reply:
+        return ask(vllm_server, chat, request_of(chat, words, **fields))
+
+    fields = DIFFERENTIAL[case](reference)
+    if chat and "logprobs" in fields:
+        fields = {**fields, "logprobs": True, "top_logprobs": fields["logprobs"]}
+    body = request_of(chat, words, **fields)
+    for stream in (False, True):
+        ours, theirs = ask(url, chat, body, stream), ask(vllm_server, chat, body, stream)
+        assert ours.headers["x-kairos-route"] == route
+        assert_same_answer(ours, theirs)
+        if case == "stop":
+            assert ours.body["finish_reason"] == "stop" and ours.body["stop_reason"] == fields["stop"][0]
+        if case == "max_tokens omitted" and chat:  # to the end of the context (or an end of sequence)
+            assert ours.body["finish_reason"] == "stop" or ours.body["usage"]["total_tokens"] == CONTEXT
+        elif case == "max_tokens omitted":  # completions: 16, as vLLM's server
+            assert ours.body["usage"]["completion_tokens"] == 16
+        if case == "logprobs":
+            assert ours.body["logprobs"] is not None
+
+
+HONOURED = "honoured"  # the answer equals vLLM's server's and differs from the answer without the field
+REFUSED = "refused"  # a 400 naming the field here (the app does not serve it)
+VLLM_REFUSES = "refused as vLLM's server refuses it"  # the same 4xx from both servers
+INERT = "inert, as in vLLM's server"  # both give the answer they give without it (nothing here for it to act on)
+
+FORCED = {"logit_bias": {"2": 100}}  # the end-of-sequence token at every step
+SEEDED = {"temperature": 1.0, "seed": 3, "return_token_ids": True}  # most sampled tokens decode to no text
+# The dummy weights' logits are all near 0 (a flat distribution): this bias gives token 332 about half of it, so
+# that temperature and min_p show (at temperature 0.3 or with min_p 0.9 it is all that is sampled)
+BIASED = {**SEEDED, "logit_bias": {"332": 7}}
+# "prefill" is one token (332), " prefill" another (313): a bad word that bans the token forced here
+PREFILL_FORCED = {"logit_bias": {"332": 100}, "return_token_ids": True}
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """How a request field is served, and the request that shows it."""
+
+    kind: str
+    fields: dict | Callable[[dict], dict] = dataclasses.field(default_factory=dict)  # or from the reference answer
+    baseline: dict | Callable[[dict], dict] = dataclasses.field(default_factory=dict)  # the answer it must change
+    stream: bool = False
+    keys: tuple[str, ...] = COMPARED  # what it changes
+
+
+def _stop(ref: dict) -> dict:
+    """A stop string from the middle of the reference answer (word tokens only)."""
+    return {**WORDS_ONLY, "stop": [ascii_stop(ref["text"])]}
+
+
+SHARED: dict[str, Served] = {
+    "model": Served(VLLM_REFUSES, {"model": "gpt-9"}),
+    "frequency_penalty": Served(HONOURED, {"frequency_penalty": 2.0}),
+    "presence_penalty": Served(HONOURED, {"presence_penalty": 2.0}),
+    "repetition_penalty": Served(HONOURED, {"repetition_penalty": 2.0}),
+    "logit_bias": Served(HONOURED, {"logit_bias": {"100": 100}}),
+    "max_tokens": Served(HONOURED, {"max_tokens": 4}),
+    "n": Served(REFUSED, {"n": 2}),
+    "seed": Served(HONOURED, SEEDED, {**SEEDED, "seed": 4}),
+    "stop": Served(HONOURED, _stop, WORDS_ONLY),
+    "stream": Served(HONOURED, stream=True, keys=("events",)),
+    "stream_options": Served(
+        HONOURED,
+        {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        {"stream_options": {"include_usage": False}},
+        stream=True,
+        keys=("usage_events",),
+    ),
+    "temperature": Served(HONOURED, {**BIASED, "temperature": 1.5}, {**BIASED, "temperature": 0.3}),
+    "top_p": Served(HONOURED, {**SEEDED, "top_p": 0.05}, SEEDED),
+    "user": Served(INERT, {"user": "someone"}),
+    "use_beam_search": Served(REFUSED, {"use_beam_search": True}),
+    "top_k": Served(HONOURED, {**SEEDED, "top_k": 1}, SEEDED),
+    "min_p": Served(HONOURED, {**BIASED, "min_p": 0.9}, BIASED),
+    "watermarking": Served(INERT, {"watermarking": True}),  # no watermark configured
+    "length_penalty": Served(REFUSED, {"length_penalty": 2.0}),
+    "stop_token_ids": Served(HONOURED, lambda ref: {**WORDS_ONLY, "stop_token_ids": [ref["token_ids"][5]]}, WORDS_ONLY),
+    "include_stop_str_in_output": Served(
+        HONOURED, lambda ref: {**_stop(ref), "include_stop_str_in_output": True}, _stop
+    ),
+    "ignore_eos": Served(HONOURED, {**FORCED, "ignore_eos": True}, FORCED),
+    "min_tokens": Served(HONOURED, {**FORCED, "min_tokens": 5}, FORCED),
+    "skip_special_tokens": Served(
+        HONOURED, {"logit_bias": {"1": 100}, "skip_special_tokens": False}, {"logit_bias": {"1": 100}}
+    ),
+    "spaces_between_special_tokens": Served(  # passed to vLLM's detokenizer, whose byte-level decoder here
+        INERT,  # puts no space between special tokens either way
+        {"logit_bias": {"1": 100}, "skip_special_tokens": False, "spaces_between_special_tokens": False},
+        {"logit_bias": {"1": 100}, "skip_special_tokens": False},
+    ),
+    "truncate_prompt_tokens": Served(HONOURED, {"truncate_prompt_tokens": 10}),
+    "truncation_side": Served(
+        HONOURED, {"truncate_prompt_tokens": 10, "truncation_side": "right"}, {"truncate_prompt_tokens": 10}
+    ),
+    "allowed_token_ids": Served(HONOURED, {"allowed_token_ids": [100, 101, 102]}),
+    "prompt_logprobs": Served(REFUSED, {"prompt_logprobs": 1}),
+    "bad_words": Served(HONOURED, {**PREFILL_FORCED, "bad_words": ["prefill"]}, PREFILL_FORCED),
+    "response_format": Served(HONOURED, {"response_format": {"type": "json_object"}}),
+    "structured_outputs": Served(HONOURED, {"structured_outputs": {"choice": ["yes", "no"]}}),
+    "priority": Served(INERT, {"priority": 1}),  # first come, first served
+    "request_id": Served(HONOURED, {"request_id": "field-test"}, keys=("id",)),
+    "session_id": Served(INERT, {"session_id": "s1"}),
+    "return_token_ids": Served(HONOURED, {"return_token_ids": True}, {"return_token_ids": False}),
+    "routed_experts_prompt_start": Served(INERT, {"routed_experts_prompt_start": 1}),  # no expert routing returned
+    "return_token_offsets": Served(INERT, {"return_token_offsets": True}),  # render endpoints only
+    "mm_payload": Served(INERT, {"mm_payload": "none"}),  # render endpoints only
+    "return_mm_kwargs": Served(INERT, {"return_mm_kwargs": False}),  # render endpoints only
+    "cache_salt": Served(INERT, {"cache_salt": "tenant-a"}),  # prefix caching is off
+    "kv_transfer_params": Served(REFUSED, {"kv_transfer_params": {"do_remote_decode": True}}),
+    "ec_transfer_params": Served(REFUSED, {"ec_transfer_params": {}}),
+    "vllm_xargs": Served(REFUSED, {"vllm_xargs": {"key": 1}}),
+    "repetition_detection": Served(HONOURED, {"repetition_detection": {"max_pattern_size": 2, "min_count": 2}}),
+    "thinking_token_budget": Served(VLLM_REFUSES, {"thinking_token_budget": 4}),  # no reasoning parser
+    "stream_interval": Served(HONOURED, {"stream_interval": 4}, stream=True, keys=("events",)),
+}
+COMPLETIONS_ONLY: dict[str, Served] = {
+    "prompt": Served(HONOURED, {"prompt": prompt(31)}),
+    "echo": Served(HONOURED, {"echo": True}),
+    "logprobs": Served(HONOURED, {"logprobs": 2}),
+    "logprob_token_ids": Served(HONOURED, {"logprobs": 0, "logprob_token_ids": [5, 6]}, {"logprobs": 0}),
+    "return_tokens_as_token_ids": Served(
+        HONOURED, {"logprobs": 1, "return_tokens_as_token_ids": True}, {"logprobs": 1}
+    ),
+    "suffix": Served(VLLM_REFUSES, {"suffix": "x"}),  # no fill-in-the-middle template
+    "prompt_embeds": Served(REFUSED, {"prompt_embeds": "AAAA"}),
+    "add_special_tokens": Served(INERT, {"add_special_tokens": False}),  # this tokenizer adds none
+}
+CHAT_ONLY: dict[str, Served] = {
+    "messages": Served(HONOURED, {"messages": [{"role": "user", "content": prompt(31)}]}),
+    "echo": Served(REFUSED, {"echo": True}),
+    "logprobs": Served(HONOURED, {"logprobs": True}),
+    "top_logprobs": Served(HONOURED, {"logprobs": True, "top_logprobs": 3}, {"logprobs": True}),
+    "logprob_token_ids": Served(HONOURED, {"logprobs": True, "logprob_token_ids": [5, 6]}, {"logprobs": True}),
+    "return_tokens_as_token_ids": Served(
+        HONOURED, {"logprobs": True, "return_tokens_as_token_ids": True}, {"logprobs": True}
+    ),
+    "add_special_tokens": Served(INERT, {"add_special_tokens": True}),  # this tokenizer adds none
+    "max_completion_tokens": Served(HONOURED, {"max_completion_tokens": 4}),
+    "tools": Served(HONOURED, {"tools": TOOLS, "tool_choice": "none"}),  # the template renders them
+    "tool_choice": Served(VLLM_REFUSES, {"tools": TOOLS, "tool_choice": "auto"}),  # no tool parser
+    "reasoning_effort": Served(INERT, {"reasoning_effort": "low"}),  # the template does not read it
+    "include_reasoning": Served(INERT, {"include_reasoning": False}),  # no reasoning parser
+    "parallel_tool_calls": Served(INERT, {"parallel_tool_calls": False}),  # no tool parser
+    "add_generation_prompt": Served(HONOURED, {"add_generation_prompt": False}),
+    "continue_final_message": Served(
+        HONOURED,
+        {
+            "messages": [{"role": "user", "content": prompt(30)}, {"role": "assistant", "content": "the quick"}],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
+        {
+            "messages": [{"role": "user", "content": prompt(30)}, {"role": "assistant", "content": "the quick"}],
+            "add_generation_prompt": False,
+        },
+    ),
+    "documents": Served(HONOURED, {"documents": [{"title": "notes", "text": "owls count stars"}]}),
+    "chat_template": Served(VLLM_REFUSES, {"chat_template": "{{ messages }}"}),  # untrusted templates
+    "chat_template_kwargs": Served(INERT, {"chat_template_kwargs": {"unused": 1}}),  # the template does not read it
+    "media_io_kwargs": Served(VLLM_REFUSES, {"media_io_kwargs": {"image": {}}}),  # untrusted, as by default there
+    "mm_processor_kwargs": Served(INERT, {"mm_processor_kwargs": {}}),
+    "return_prompt_text": Served(HONOURED, {"return_prompt_text": True}),
+}
+TABLES = {False: {**SHARED, **COMPLETIONS_ONLY}, True: {**SHARED, **CHAT_ONLY}}
+
+
+def test_the_field_tables_cover_every_field_of_vllms_request_models():
+    """When vLLM grows a request field, this fails until the table says how the app serves it."""
+    assert set(TABLES[False]) == set(CompletionRequest.model_fields)
+    assert set(TABLES[True]) == set(ChatCompletionRequest.model_fields)
+
+
+FIELD_BASE = {"max_tokens": 12, "temperature": 0.0}
+_references: dict[bool, dict] = {}
+
+
+def resolved(value: dict | Callable[[dict], dict], chat: bool, server: str) -> dict:
+    """A case's fields; callables get vLLM's greedy answer to the base request in word tokens, with its ids."""
+    if not callable(value):
+        return value
+    if chat not in _references:
+        _references[chat] = ask(server, chat, request_of(chat, 30, FIELD_BASE, WORDS_ONLY, return_token_ids=True)).body
+    return value(_references[chat])
+
+
+@pytest.mark.parametrize(
+    "chat, name", [(chat, name) for chat in (False, True) for name in TABLES[chat]], ids=lambda v: str(v)
+)
+def test_every_request_field_is_honoured_as_vllm_honours_it_or_refused(cpu_app, vllm_server, chat, name):
+    url, _ = cpu_app
+    served = TABLES[chat][name]
+    body = request_of(chat, 30, FIELD_BASE, resolved(served.fields, chat, vllm_server))
+    ours = ask(url, chat, body, served.stream)
+    if served.kind == REFUSED:
+        assert ours.status == 400 and ours.body["error"]["param"] == name, ours.body
+        return
+    theirs = ask(vllm_server, chat, body, served.stream)
+    if served.kind == VLLM_REFUSES:
+        assert 400 <= theirs.status < 500 and ours.status == theirs.status, (ours.body, theirs.body)
+        return
+    if "id" in served.keys:
+        assert ours.body["id"] == theirs.body["id"]
+    else:
+        assert_same_answer(ours, theirs)
+    fields = resolved(served.baseline, chat, vllm_server)
+    baseline = ask(url, chat, request_of(chat, 30, FIELD_BASE, fields), served.stream and name != "stream")
+    changed = [k for k in served.keys if ours.body.get(k) != baseline.body.get(k)]
+    if served.kind == HONOURED:
+        assert changed or ours.body["logprobs"] != baseline.body["logprobs"], f"{name} changed nothing"
+    else:
+        assert_same_answer(ours, baseline)
 
 
 def greedy_text(url: str, text: str, max_tokens: int) -> str:
