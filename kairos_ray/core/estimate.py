@@ -34,8 +34,9 @@ With nothing cached every formula is the paper's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from typing import Literal
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 from kairos_ray.core.latency import StepLatency
 from kairos_ray.core.state import DecodeNodeView, PrefillNodeView
@@ -53,12 +54,18 @@ def queue_wait_paper_s(model: StepLatency, queued_tokens: int, chunk_tokens: int
 
 
 def prefill_ttft_paper_s(
-    model: StepLatency, node: PrefillNodeView, prompt_tokens: int, chunk_tokens: int, cached_tokens: int = 0
+    model: StepLatency,
+    node: PrefillNodeView,
+    prompt_tokens: int,
+    chunk_tokens: int,
+    cached_tokens: int = 0,
+    walks: QueueWalks | None = None,
 ) -> float:
     """Eq. 1 with Eq. 2: W_queue(r) + T_pf(r), T_pf priced like a queue holding only r's uncached suffix.
 
     The queue's S counts the tokens its requests still have to compute (the
     node reports them uncached); r's suffix drains from its cached context on.
+    ``walks`` is not needed: Eq. 2 reads only the queue's sum.
     """
     queued = sum(node.queued_prompt_tokens)
     own_s = queue_wait_paper_s(model, prompt_tokens - cached_tokens, chunk_tokens, cached_tokens)
@@ -78,30 +85,52 @@ def chunked_prefill_s(model: StepLatency, prompt_tokens: int, context_tokens: in
     return seconds
 
 
-def queue_wait_exact_s(model: StepLatency, node: PrefillNodeView, chunk_tokens: int) -> float:
-    """W_queue walked request by request: every queued prompt in chunks, each from its context in KV."""
-    seconds = 0.0
-    if node.queued_cached_tokens:
-        for index, tokens in enumerate(node.queued_prompt_tokens):
-            seconds += chunked_prefill_s(model, tokens, node.context_tokens(index), chunk_tokens)
-        return seconds
-    context = node.head_prefilled_tokens
-    for tokens in node.queued_prompt_tokens:
-        seconds += chunked_prefill_s(model, tokens, context, chunk_tokens)
-        context = 0
+def queue_wait_exact_s(
+    model: StepLatency, node: PrefillNodeView, chunk_tokens: int, walks: QueueWalks | None = None
+) -> float:
+    """W_queue walked request by request: every queued prompt in chunks, each from its context in KV.
+
+    With ``walks``, a FIFO that only grew at its tail since the node's last
+    walk is priced from where that walk ended.
+    """
+    queued = node.queued_prompt_tokens
+    base = (node.head_prefilled_tokens, chunk_tokens)
+    start, state = walks.resume(model, node.node_id, base, queued, node.queued_cached_tokens) if walks else (0, ())
+    seconds = state[0] if start else 0.0
+    for index in range(start, len(queued)):
+        seconds += chunked_prefill_s(model, queued[index], node.context_tokens(index), chunk_tokens)
+    if walks:
+        walks.keep(model, node.node_id, base, queued, node.queued_cached_tokens, (seconds,))
     return seconds
 
 
 def prefill_ttft_exact_s(
-    model: StepLatency, node: PrefillNodeView, prompt_tokens: int, chunk_tokens: int, cached_tokens: int = 0
+    model: StepLatency,
+    node: PrefillNodeView,
+    prompt_tokens: int,
+    chunk_tokens: int,
+    cached_tokens: int = 0,
+    walks: QueueWalks | None = None,
 ) -> float:
     """Eq. 1 with the queue walked request by request: every queued prompt, then r's uncached suffix."""
     own_s = chunked_prefill_s(model, prompt_tokens - cached_tokens, cached_tokens, chunk_tokens)
-    return queue_wait_exact_s(model, node, chunk_tokens) + own_s
+    return queue_wait_exact_s(model, node, chunk_tokens, walks) + own_s
 
 
-PrefillEstimator = Callable[[StepLatency, PrefillNodeView, int, int, int], float]
-"""(model, node, prompt tokens, chi_p, prompt tokens the node has cached) -> TTFT_pf seconds."""
+class PrefillEstimator(Protocol):
+    """(model, node, prompt tokens, chi_p, prompt tokens the node has cached, walks) -> TTFT_pf seconds."""
+
+    def __call__(
+        self,
+        model: StepLatency,
+        node: PrefillNodeView,
+        prompt_tokens: int,
+        chunk_tokens: int,
+        cached_tokens: int = 0,
+        walks: QueueWalks | None = None,
+    ) -> float: ...
+
+
 PrefillEstimatorName = Literal["exact", "paper"]
 
 PREFILL_ESTIMATORS: dict[str, PrefillEstimator] = {
@@ -149,22 +178,30 @@ def decode_ttft_s(
     return runs_s(model, batch_size, kv_tokens, runs_of(schedule), prefix_tokens)
 
 
-def after_committed(model: StepLatency, node: DecodeNodeView) -> tuple[float, int, int]:
+def after_committed(
+    model: StepLatency, node: DecodeNodeView, walks: QueueWalks | None = None
+) -> tuple[float, int, int]:
     """(seconds, B, K) once the node has run the deflections already committed to it.
 
     Committed deflections run one after another (one deflected prefill per
     step keeps each step's cost what Eq. 5 checked); each joins the decode
     batch when its prefill ends. The first may be under way: its chunks start
     from the prefix it has prefilled. Each starts from its cached prefix,
-    whose KV joins K when its first chunk runs.
+    whose KV joins K when its first chunk runs. With ``walks``, commitments
+    that only grew at their tail since the node's last walk are priced from
+    where that walk ended.
     """
-    seconds = 0.0
-    batch_size, kv_tokens = node.batch_size, node.kv_tokens
     if not node.committed:
-        return seconds, batch_size, kv_tokens
+        return 0.0, node.batch_size, node.kv_tokens
     cached = node.committed_cached_tokens
-    prefix = node.head_prefilled_tokens
-    for index, schedule in enumerate(node.committed):
+    base = (node.batch_size, node.kv_tokens, node.head_prefilled_tokens)
+    start, state = walks.resume(model, node.node_id, base, node.committed, cached) if walks else (0, ())
+    seconds, batch_size, kv_tokens = (
+        (state[0], int(state[1]), int(state[2])) if start else (0.0, node.batch_size, node.kv_tokens)
+    )
+    prefix = 0 if start else node.head_prefilled_tokens
+    for index in range(start, len(node.committed)):
+        schedule = node.committed[index]
         hit = cached[index] if index < len(cached) else 0
         if not prefix:  # not under way: its cached KV is not in K yet
             kv_tokens += hit
@@ -172,4 +209,69 @@ def after_committed(model: StepLatency, node: DecodeNodeView) -> tuple[float, in
         batch_size += 1
         kv_tokens += sum(schedule)
         prefix = 0
+    if walks:
+        walks.keep(model, node.node_id, base, node.committed, cached, (seconds, batch_size, kv_tokens))
     return seconds, batch_size, kv_tokens
+
+
+@dataclass(slots=True)
+class _Walk:
+    model: StepLatency
+    base: tuple[float, ...]
+    items: tuple[object, ...]
+    cached: tuple[int, ...]
+    state: tuple[float, ...]
+
+
+class QueueWalks:
+    """Where the last walk over each node's queue ended, so a queue that grew only at its tail is priced from there.
+
+    Eq. 1-2 (exact) walk a prefill node's FIFO and Eq. 6 a decode node's
+    committed deflections: O(queue) per decision. A router deciding a burst,
+    and the simulator, see queues that mostly grow at the tail between
+    decisions (each decision appends to one); resuming the walk makes those
+    decisions O(new entries). The result is the full walk's bit for bit: the
+    same terms summed in the same order. A walk is resumed only for the same
+    model, the same head of queue (``base``) and a queue whose first entries
+    (and their cached tokens) are the walked ones; anything else walks again.
+    One per policy (and per pool: the queues are keyed by node id).
+    """
+
+    def __init__(self) -> None:
+        self._walks: dict[str, _Walk] = {}
+
+    def resume(
+        self,
+        model: StepLatency,
+        node_id: str,
+        base: tuple[float, ...],
+        items: Sequence[object],
+        cached: tuple[int, ...],
+    ) -> tuple[int, tuple[float, ...]]:
+        """(entries already walked, the state after them), or (0, ()) to walk from the start."""
+        walk = self._walks.get(node_id)
+        if walk is None or walk.model is not model or walk.base != base:
+            return 0, ()
+        done = len(walk.items)
+        if done > len(items) or tuple(items[:done]) != walk.items:
+            return 0, ()
+        if _padded(cached, done) != _padded(walk.cached, done):
+            return 0, ()
+        return done, walk.state
+
+    def keep(
+        self,
+        model: StepLatency,
+        node_id: str,
+        base: tuple[float, ...],
+        items: Sequence[object],
+        cached: tuple[int, ...],
+        state: tuple[float, ...],
+    ) -> None:
+        if items:
+            self._walks[node_id] = _Walk(model, base, tuple(items), cached, state)
+
+
+def _padded(cached: tuple[int, ...], length: int) -> tuple[int, ...]:
+    """The first ``length`` entries of a per-request cached-token tuple (``()`` and a short tuple mean 0s)."""
+    return cached[:length] if len(cached) >= length else cached + (0,) * (length - len(cached))

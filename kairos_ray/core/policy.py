@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from kairos_ray.core.estimate import PREFILL_ESTIMATORS, PrefillEstimatorName, after_committed, runs_s
+from kairos_ray.core.estimate import PREFILL_ESTIMATORS, PrefillEstimatorName, QueueWalks, after_committed, runs_s
 from kairos_ray.core.latency import StepLatency
 from kairos_ray.core.prefix import PrefixHits
 from kairos_ray.core.state import ClusterView, Decision, DecodeNodeView, PrefillNodeView, Route
@@ -146,6 +146,7 @@ class _BasePolicy:
         self.prefill_model = prefill_model
         self.decode_model = decode_model
         self._estimate = PREFILL_ESTIMATORS[params.prefill_estimator]
+        self._prefill_walks, self._decode_walks = QueueWalks(), QueueWalks()  # queues priced from their last walk
 
     @classmethod
     def check_arg(cls, arg: str | None) -> None:
@@ -193,7 +194,7 @@ class _BasePolicy:
         best, best_s, best_cached = view.prefill[0], math.inf, 0
         for node in view.prefill:
             cached = hits.at(node.node_id) if hits else 0
-            seconds = self._estimate(self.prefill_model, node, prompt_tokens, chunk, cached)
+            seconds = self._estimate(self.prefill_model, node, prompt_tokens, chunk, cached, self._prefill_walks)
             if seconds < best_s:
                 best, best_s, best_cached = node, seconds, cached
         return _PrefillOption(best, best_s, best_cached)
@@ -209,7 +210,7 @@ class _BasePolicy:
             if node.headroom_kv_tokens < prompt_tokens - cached:
                 lacking_kv += 1
                 continue
-            wait_s, batch_size, kv_tokens = after_committed(self.decode_model, node)
+            wait_s, batch_size, kv_tokens = after_committed(self.decode_model, node, self._decode_walks)
             limit_s = math.inf if best is None else best.ttft_s - wait_s
             if limit_s <= 0.0:
                 continue  # already slower than the best before its own first step

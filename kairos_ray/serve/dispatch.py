@@ -46,6 +46,7 @@ from kairos_ray.core import Route
 from kairos_ray.messages import DecisionRequest, EngineRequest, KVHandoff, RoutingReply, TokenEvent, TTFTBreakdown
 from kairos_ray.serve.metrics import IngressMetrics
 from kairos_ray.serve.mux import RequestKey, StreamFailed, TokenMux
+from kairos_ray.serve.router_link import RouterLink
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -127,13 +128,13 @@ class _NodeFailed(Exception):
 
 
 class DecisionBatcher:
-    """Asks the router for the decisions wanted in one event-loop tick in one call (``Router.decide_many``).
+    """Asks the router for the decisions wanted in one event-loop tick in one call (``RouterActor.decide_many``).
 
     It never waits to batch: the call goes at the end of the tick in which the
     first decision was wanted, with whatever else that tick wanted too.
     """
 
-    def __init__(self, router: DeploymentHandle) -> None:
+    def __init__(self, router: RouterLink) -> None:
         self.router = router
         self._wanted: list[tuple[DecisionRequest, asyncio.Future[RoutingReply]]] = []
         self._calls: set[asyncio.Task[None]] = set()
@@ -154,7 +155,7 @@ class DecisionBatcher:
 
     async def _call(self, wanted: list[tuple[DecisionRequest, asyncio.Future[RoutingReply]]]) -> None:
         try:
-            replies = await self.router.decide_many.remote([request for request, _ in wanted])
+            replies = await self.router.decide_many([request for request, _ in wanted])
         except Exception as exc:  # each caller gets the failure and falls back
             for _, reply in wanted:
                 if not reply.done():
@@ -179,7 +180,7 @@ class Dispatcher:
     ) -> None:
         self.prefill, self.decode = prefill, decode
         self.mux = TokenMux(decode, listener)  # tokens arrive over one subscription per decode node
-        self.decisions = DecisionBatcher(router)
+        self.decisions = DecisionBatcher(RouterLink(router))
         self.limits = limits
         self.metrics = metrics
 
@@ -189,11 +190,13 @@ class Dispatcher:
     async def decide(self, request: EngineRequest, avoid: tuple[str, ...]) -> RoutingReply:
         wanted = DecisionRequest(request.request_id, request.prompt_tokens, request.max_tokens, avoid)
         try:
-            return await asyncio.wait_for(self.decisions.decide(wanted), self.limits.decision_timeout_s)
+            reply = await asyncio.wait_for(self.decisions.decide(wanted), self.limits.decision_timeout_s)
         except Exception as exc:  # whatever keeps the router from answering: disaggregate, counted
-            self.metrics.fallbacks.inc(tags={"route": Route.PREFILL.value, "reason": "fallback"})
             logger.warning("router could not decide (%s: %s); disaggregating", type(exc).__name__, exc)
-            return RoutingReply.fallback_for(type(exc).__name__)
+            reply = RoutingReply.fallback_for(type(exc).__name__)
+        if reply.fallback:  # the router's own fallbacks (a pool that has not reported yet) count too
+            self.metrics.fallbacks.inc(tags={"route": Route.PREFILL.value, "reason": "fallback"})
+        return reply
 
 
 class RequestRun:

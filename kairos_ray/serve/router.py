@@ -18,27 +18,36 @@ for ``node_timeout_s`` (engines send a heartbeat every second when idle), or
 at once when they report themselves unhealthy (their engine died or stalled).
 A request that failed on some nodes is decided without them (``avoid``).
 
-``Router`` is the Serve deployment around it (one replica), with metrics and
-the online refit of the step-latency model.
+``RouterActor`` holds it, with metrics and the online refit of the
+step-latency model, behind plain Ray actor calls; ``Router`` is the Serve
+deployment (one replica) that owns that actor, watches it and hands out its
+handle (``serve.router_link``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+import ray
 from ray import serve
 
 from kairos_ray.config import KairosConfig
-from kairos_ray.core import ClusterView, Decision, DecodeNodeView, Policy, PrefillNodeView, apply_decision
+from kairos_ray.core import ClusterView, Decision, DecodeNodeView, Policy, PrefillNodeView, Route, apply_decision
 from kairos_ray.messages import DecisionRequest, NodeState, RouterLive, RoutingReply
 from kairos_ray.serve.metrics import RouterMetrics
 from kairos_ray.serve.refit import OnlineRefit
 
 logger = logging.getLogger("ray.serve")
+
+HEALTH_CHECK_PERIOD_S = 2.0  # Serve asks the router replica this often whether its actor answers
+HEALTH_CHECK_TIMEOUT_S = 10.0
+ACTOR_PING_TIMEOUT_S = 5.0  # an actor that does not answer a ping in time is hung: the replica reports unhealthy
 
 
 class MissingState(RuntimeError):
@@ -59,8 +68,11 @@ class RouterState:
     """The router's view: the nodes' last reports plus its ledger of decisions no engine has acknowledged.
 
     The view with the ledger applied is kept between decisions and updated by
-    each decision (``apply_decision``: O(1) per decision); a report, a node
-    that falls silent or a ledger entry that expires rebuilds it (O(ledger)).
+    each decision (``apply_decision``: O(1) per decision). A report, an
+    acknowledgement or an expired entry marks only its node for rebuilding:
+    that node's report plus its own ledger entries (each decision touches one
+    node: its prefill node, or the decode node it is deflected to). A node
+    joining or leaving rebuilds the whole view.
     """
 
     def __init__(self, policy: Policy, pending_ttl_s: float = 2.0, node_timeout_s: float = 5.0) -> None:
@@ -69,24 +81,42 @@ class RouterState:
         self.states: dict[str, NodeState] = {}  # node id -> its last report
         self.received: dict[str, float] = {}  # node id -> monotonic time of its last report
         self.pending: dict[int, _Pending] = {}  # request id -> its undelivered decision, oldest first
+        self._pending_at: dict[str, dict[int, _Pending]] = {}  # node id -> the ledger entries that touch it
         self._view: ClusterView | None = None  # reports + ledger, while nothing changed but decisions
+        self._stale: set[str] = set()  # nodes whose part of ``_view`` must be rebuilt
 
     def report(self, state: NodeState, now: float) -> None:
         """Take a node's report; a node that reports itself unhealthy leaves the view at once."""
         for rid in state.accepted_request_ids:
-            self.pending.pop(rid, None)
-        self._view = None
+            self._drop(rid)
+        node = state.node_id
         if not state.healthy:
-            self.states.pop(state.node_id, None)
-            self.received.pop(state.node_id, None)
+            self.states.pop(node, None)
+            self.received.pop(node, None)
+            self._view = None
             return
-        self.states[state.node_id] = state
-        self.received[state.node_id] = now
+        if node not in self.states:
+            self._view = None
+        self.states[node] = state
+        self.received[node] = now
+        self._stale.add(node)
 
     def forget_silent_nodes(self, now: float) -> None:
         for node in [n for n, seen in self.received.items() if now - seen > self.node_timeout_s]:
             del self.states[node], self.received[node]
             self._view = None
+
+    def _drop(self, rid: int) -> None:
+        """Take a request's entry off the ledger (acknowledged, expired or replaced by a retry)."""
+        entry = self.pending.pop(rid, None)
+        if entry is not None:
+            node = _touched(entry.decision)
+            self._pending_at[node].pop(rid, None)
+            self._stale.add(node)
+
+    def _add(self, rid: int, entry: _Pending) -> None:
+        self.pending[rid] = entry
+        self._pending_at.setdefault(_touched(entry.decision), {})[rid] = entry
 
     def _expire(self, now: float) -> None:
         """Drop ledger entries no engine acknowledged within ``pending_ttl_s`` (oldest first)."""
@@ -94,23 +124,36 @@ class RouterState:
             rid, oldest = next(iter(self.pending.items()))
             if now - oldest.decided_s <= self.pending_ttl_s:
                 return
-            del self.pending[rid]
-            self._view = None
+            self._drop(rid)
+
+    def _node_view(self, node: str) -> PrefillNodeView | DecodeNodeView:
+        """A node's last report with its own ledger entries applied, oldest first."""
+        view = self.states[node].view
+        alone = ClusterView((view,), ()) if isinstance(view, PrefillNodeView) else ClusterView((), (view,))
+        for entry in self._pending_at.get(node, {}).values():
+            alone = apply_decision(alone, entry.prompt_tokens, entry.decision, entry.output_tokens)
+        return alone.prefill[0] if alone.prefill else alone.decode[0]
+
+    def _current(self) -> ClusterView:
+        """The view with the ledger applied, rebuilding only the nodes that changed since the last decision."""
+        if self._view is None:
+            self._view, self._stale = ClusterView((), ()), set(self.states)
+        if self._stale:
+            views = {view.node_id: view for view in (*self._view.prefill, *self._view.decode)}
+            views.update((node, self._node_view(node)) for node in self._stale if node in self.states)
+            ordered = [views[node] for node in sorted(self.states)]
+            self._view = ClusterView(
+                tuple(v for v in ordered if isinstance(v, PrefillNodeView)),
+                tuple(v for v in ordered if isinstance(v, DecodeNodeView)),
+            )
+            self._stale = set()
+        return self._view
 
     def view(self, now: float, avoid: Collection[str] = ()) -> tuple[ClusterView, float]:
         """(view, staleness in seconds of the oldest report in it), without the nodes in ``avoid``."""
         self.forget_silent_nodes(now)
         self._expire(now)
-        if self._view is None:
-            views = [self.states[node].view for node in sorted(self.states)]
-            view = ClusterView(
-                tuple(v for v in views if isinstance(v, PrefillNodeView)),
-                tuple(v for v in views if isinstance(v, DecodeNodeView)),
-            )
-            for pending in self.pending.values():
-                view = apply_decision(view, pending.prompt_tokens, pending.decision, pending.output_tokens)
-            self._view = view
-        view = self._view
+        view = self._current()
         if avoid:
             view = ClusterView(
                 tuple(v for v in view.prefill if v.node_id not in avoid),
@@ -126,22 +169,32 @@ class RouterState:
         """(decision, staleness) on the nodes not in ``avoid``; raises ``MissingState`` while a pool has none."""
         view, staleness = self.view(now, avoid)
         decision = self.policy.decide(prompt_tokens, view)
-        if self.pending.pop(request_id, None) is not None:  # a retry replaces its request's earlier entry
-            self._view = None
-        self.pending[request_id] = _Pending(prompt_tokens, output_tokens, decision, now)
-        if self._view is not None:
+        self._drop(request_id)  # a retry replaces its request's earlier entry
+        self._add(request_id, _Pending(prompt_tokens, output_tokens, decision, now))
+        if not self._stale and self._view is not None:
             self._view = apply_decision(self._view, prompt_tokens, decision, output_tokens)
+        else:
+            self._stale.add(_touched(decision))
         return decision, staleness
 
 
-@serve.deployment(
-    num_replicas=1,
-    max_ongoing_requests=4096,
-    ray_actor_options={"num_cpus": 0},
-    logging_config={"enable_access_log": False},  # a log line per report and decision would cost more than both
-)
-class Router:
-    """One replica: every decision goes through it, so it sees every dispatch."""
+def _touched(decision: Decision) -> str:
+    """The one node whose view a decision changes (``apply_decision``): its prefill node, or its decode node."""
+    node = decision.prefill_node if decision.route is Route.PREFILL else decision.decode_node
+    assert node is not None, "a decision names the node it sends its request to"
+    return node
+
+
+class RouterActor:
+    """The router's state, metrics and online refit, behind plain Ray actor calls (one call at a time, in order).
+
+    Ingress replicas and engines call it directly through a ``RouterLink``:
+    a plain actor call costs a fraction of a Serve handle call (no request
+    router in the caller, no user-code thread hop in the callee), and the
+    router takes every decision and report of the cluster. The methods are
+    synchronous, so Ray runs them one after another on the actor's thread: the
+    ledger needs no lock.
+    """
 
     def __init__(self, kairos: dict[str, Any], refit_every_steps: int = 0) -> None:
         self.config = KairosConfig.model_validate(kairos)
@@ -150,22 +203,31 @@ class Router:
         self.metrics = RouterMetrics()
         self.refit = OnlineRefit(refit_every_steps) if refit_every_steps else None
 
-    async def decide(self, request: DecisionRequest) -> RoutingReply:
-        """Decide on the live nodes but those the request avoids (they failed it)."""
-        start = time.perf_counter()
-        r = request
-        decision, staleness = self.state.decide(
-            r.request_id, r.prompt_tokens, r.output_tokens, time.monotonic(), r.avoid
-        )
-        decision_s = time.perf_counter() - start
-        self.metrics.decided(decision, decision_s, staleness)
-        return RoutingReply(decision, decision_s, staleness)
+    def ping(self) -> None:
+        """Answers while the actor's thread is free (the ``Router`` replica's health check)."""
 
-    async def decide_many(self, requests: list[DecisionRequest]) -> list[RoutingReply]:
-        """Decide requests one after another, in order, each seeing the ones before in the ledger."""
-        return [await self.decide(request) for request in requests]
+    def decide_many(self, requests: list[DecisionRequest]) -> list[RoutingReply]:
+        """Decide requests in order, each seeing the ones before in the ledger, on the nodes each does not avoid.
 
-    async def report(self, state: NodeState) -> None:
+        A request the router cannot decide yet (a pool has not reported) gets
+        ``RoutingReply.fallback_for`` with the reason, as the ingress would.
+        """
+        replies = []
+        for r in requests:
+            start = time.perf_counter()
+            try:
+                decision, staleness = self.state.decide(
+                    r.request_id, r.prompt_tokens, r.output_tokens, time.monotonic(), r.avoid
+                )
+            except MissingState as exc:
+                replies.append(RoutingReply.fallback_for(str(exc)))
+                continue
+            decision_s = time.perf_counter() - start
+            self.metrics.decided(decision, decision_s, staleness)
+            replies.append(RoutingReply(decision, decision_s, staleness))
+        return replies
+
+    def report(self, state: NodeState) -> None:
         self.state.report(state, time.monotonic())
         self.metrics.node(state)
         if self.refit is not None:
@@ -187,14 +249,57 @@ class Router:
             self.state.policy = self.config.build_policy(self.state.policy.spec, model=self.model)
             self.metrics.refits.inc()
 
-    async def live(self) -> RouterLive:
+    def live(self) -> RouterLive:
         """Every live node's last report and the last minute's steps and decisions (``serve.live``)."""
         now = time.monotonic()
         self.state.forget_silent_nodes(now)
         states = {node: (state, self.state.received[node]) for node, state in self.state.states.items()}
         return self.metrics.window.live(self.state.policy.spec, states, now)
 
-    async def snapshot(self) -> dict[str, NodeState]:
+    def snapshot(self) -> dict[str, NodeState]:
         """The last state of every live node (for tests and debugging)."""
         self.state.forget_silent_nodes(time.monotonic())
         return dict(self.state.states)
+
+
+@serve.deployment(
+    num_replicas=1,
+    max_ongoing_requests=1024,
+    ray_actor_options={"num_cpus": 0},
+    health_check_period_s=HEALTH_CHECK_PERIOD_S,
+    health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
+    logging_config={"enable_access_log": False},
+)
+class Router:
+    """The router's Serve deployment (one replica): it owns the ``RouterActor`` and hands out its handle.
+
+    The actor is this replica's child, so it goes when the replica goes; when
+    the actor dies or hangs, the health check fails and Serve replaces the
+    replica, which starts a new one. Callers hold the actor's handle
+    (``serve.router_link``) and ask for it again after a failed call. The
+    methods below forward to the actor for tools and tests.
+    """
+
+    async def __init__(self, kairos: dict[str, Any], refit_every_steps: int = 0) -> None:
+        actor = ray.remote(num_cpus=0, max_restarts=0)(RouterActor)
+        self.actor = actor.options(name=f"kairos-router-{uuid.uuid4().hex[:8]}").remote(kairos, refit_every_steps)
+        await self.actor.ping.remote()  # the replica is ready once its actor is (its process started, config loaded)
+
+    async def handle(self) -> Any:
+        """The ``RouterActor``'s handle."""
+        return self.actor
+
+    async def check_health(self) -> None:
+        await asyncio.wait_for(self.actor.ping.remote(), ACTOR_PING_TIMEOUT_S)
+
+    async def decide_many(self, requests: list[DecisionRequest]) -> list[RoutingReply]:
+        replies: list[RoutingReply] = await self.actor.decide_many.remote(requests)
+        return replies
+
+    async def live(self) -> RouterLive:
+        live: RouterLive = await self.actor.live.remote()
+        return live
+
+    async def snapshot(self) -> dict[str, NodeState]:
+        states: dict[str, NodeState] = await self.actor.snapshot.remote()
+        return states

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -10,7 +12,7 @@ from kairos_ray.core import (
     prefill_ttft_paper_s,
     queue_wait_paper_s,
 )
-from kairos_ray.core.estimate import after_committed, runs_of
+from kairos_ray.core.estimate import QueueWalks, after_committed, queue_wait_exact_s, runs_of
 
 from .strategies import OWN, SIMPLE, models
 
@@ -151,3 +153,50 @@ def test_a_committed_deflection_under_way_continues_from_its_prefix():
     seconds, batch_size, kv_tokens = after_committed(OWN, node)
     assert seconds == pytest.approx(0.051)
     assert (batch_size, kv_tokens) == (2, 1200)
+
+
+@given(
+    models(),
+    st.lists(
+        st.tuples(st.sampled_from(["grow", "pop", "head"]), st.integers(1, 9000), st.integers(0, 2048)),
+        min_size=1,
+        max_size=40,
+    ),
+)
+def test_a_resumed_queue_walk_equals_the_full_walk_bit_for_bit(model, changes):
+    """Queues growing at the tail (resumed), losing their head or changing it (walked again) price as walked whole."""
+    walks = QueueWalks()
+    queued: tuple[int, ...] = ()
+    cached: tuple[int, ...] = ()
+    committed: tuple[tuple[int, ...], ...] = ()
+    head = 0
+    for change, tokens, hit in changes:
+        if change == "grow":
+            queued, committed = (*queued, tokens), (*committed, (min(tokens, 512),) * (1 + tokens // 512))
+            cached = (*cached, hit) if hit % 3 == 0 else cached  # () and short tuples mean the rest cached nothing
+        elif change == "pop" and queued:
+            queued, committed, cached = queued[1:], committed[1:], cached[1:]
+        else:
+            head = hit
+        prefill = PrefillNodeView("p0", queued, head_prefilled_tokens=head, queued_cached_tokens=cached[: len(queued)])
+        decode = DecodeNodeView(
+            "d0",
+            3,
+            5000,
+            10**6,
+            committed,
+            head_prefilled_tokens=head,
+            committed_cached_tokens=cached[: len(committed)],
+        )
+        assert queue_wait_exact_s(model, prefill, 512, walks) == queue_wait_exact_s(model, prefill, 512)
+        assert after_committed(model, decode, walks) == after_committed(model, decode)
+
+
+def test_a_walk_is_not_resumed_for_another_model_or_head():
+    walks = QueueWalks()
+    node = PrefillNodeView("p0", (4000, 300))
+    first = queue_wait_exact_s(SIMPLE, node, 512, walks)
+    slower = dataclasses.replace(SIMPLE, c0=0.02)
+    assert queue_wait_exact_s(slower, node, 512, walks) == queue_wait_exact_s(slower, node, 512) != first
+    moved = PrefillNodeView("p0", (4000, 300), head_prefilled_tokens=1024)
+    assert queue_wait_exact_s(SIMPLE, moved, 512, walks) == queue_wait_exact_s(SIMPLE, moved, 512) != first

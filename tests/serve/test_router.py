@@ -89,3 +89,33 @@ def test_the_view_kept_between_decisions_equals_one_rebuilt_from_the_reports_and
     router.decide(1, 4000, 50, now=0.3)  # a retry of request 1 replaces its entry: counted once
     assert router.view(now=0.31)[0].prefill[0].queued_prompt_tokens.count(4000) == 1
     assert router.view(now=2.15)[0].prefill[0].queued_prompt_tokens == (3000, 4000)  # the rest expired
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_view_rebuilt_node_by_node_equals_one_rebuilt_whole_through_reports_acks_retries_and_expiry(seed):
+    import random
+
+    rng = random.Random(seed)
+    router = RouterState(KairosConfig().build_policy("sl:2000"), pending_ttl_s=0.5)
+    nodes = ["p0", "p1", "d0", "d1"]
+    decided: list[int] = []
+    now = 0.0
+    for step in range(300):
+        now += rng.uniform(0.0, 0.02)
+        node = rng.choice(nodes)
+        action = rng.random()
+        if action < 0.3:  # a report that takes some of the decisions made so far
+            taken = rng.sample(decided, min(len(decided), rng.randint(0, 3)))
+            if node.startswith("p"):
+                router.report(prefill_state(node, [rng.randint(1, 4000)], accepted=taken), now=now)
+            else:
+                router.report(decode_state(node, batch=rng.randint(0, 9), accepted=taken), now=now)
+        elif len(router.states) == len(nodes):
+            rid = rng.choice(decided) if decided and action > 0.9 else step  # now and then a retry
+            router.decide(rid, rng.randint(50, 9000), 64, now=now)
+            decided.append(rid)
+        if len(router.states) == len(nodes) and step % 7 == 0:
+            kept, _ = router.view(now=now)
+            router._view = None
+            assert router.view(now=now)[0] == kept
+    assert len(router.pending) > 0 and any(len(entries) for entries in router._pending_at.values())
