@@ -97,8 +97,14 @@ def queue_wait_exact_s(
     base = (node.head_prefilled_tokens, chunk_tokens)
     start, state = walks.resume(model, node.node_id, base, queued, node.queued_cached_tokens) if walks else (0, ())
     seconds = state[0] if start else 0.0
-    for index in range(start, len(queued)):
-        seconds += chunked_prefill_s(model, queued[index], node.context_tokens(index), chunk_tokens)
+    if node.queued_cached_tokens:
+        for index in range(start, len(queued)):
+            seconds += chunked_prefill_s(model, queued[index], node.context_tokens(index), chunk_tokens)
+    else:  # only the head has context: what it has prefilled
+        context = 0 if start else node.head_prefilled_tokens
+        for tokens in queued[start:]:
+            seconds += chunked_prefill_s(model, tokens, context, chunk_tokens)
+            context = 0
     if walks:
         walks.keep(model, node.node_id, base, queued, node.queued_cached_tokens, (seconds,))
     return seconds
@@ -234,10 +240,12 @@ class QueueWalks:
     same terms summed in the same order. A walk is resumed only for the same
     model, the same head of queue (``base``) and a queue whose first entries
     (and their cached tokens) are the walked ones; anything else walks again.
-    One per policy (and per pool: the queues are keyed by node id).
+    One per policy (and per pool: the queues are keyed by node id). Queues
+    shorter than ``min_items`` are walked whole: cheaper than comparing them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, min_items: int = 8) -> None:
+        self.min_items = min_items
         self._walks: dict[str, _Walk] = {}
 
     def resume(
@@ -249,6 +257,8 @@ class QueueWalks:
         cached: tuple[int, ...],
     ) -> tuple[int, tuple[float, ...]]:
         """(entries already walked, the state after them), or (0, ()) to walk from the start."""
+        if len(items) < self.min_items:
+            return 0, ()
         walk = self._walks.get(node_id)
         if walk is None or walk.model is not model or walk.base != base:
             return 0, ()
@@ -268,7 +278,7 @@ class QueueWalks:
         cached: tuple[int, ...],
         state: tuple[float, ...],
     ) -> None:
-        if items:
+        if len(items) >= self.min_items:
             self._walks[node_id] = _Walk(model, base, tuple(items), cached, state)
 
 

@@ -126,11 +126,11 @@ class TokenMux:
         except Exception as exc:  # the node's replica died or refused: its requests move on
             why = f"broke: {type(exc).__name__}"
             logger.warning("token subscription to %s broke (%s: %s)", node, type(exc).__name__, exc)
-        finally:
+        finally:  # cancelled too (the replica is closing): then nothing more is done for the node
             self._subscriptions.pop(node, None)
-            waiting = [k for k, n in self._nodes.items() if n == node]
-            if why == "ended" and waiting:  # it went idle as a request started there: listen again
-                self.subscribe(node)
-            else:
-                for key in waiting:  # nothing more comes for them
-                    self._deliver(key, StreamFailed(f"the token subscription to {node} {why}"))
+        waiting = [k for k, n in self._nodes.items() if n == node]
+        if why == "ended" and waiting:  # it went idle as a request started there: listen again
+            self.subscribe(node)
+        else:
+            for key in waiting:  # nothing more comes for them
+                self._deliver(key, StreamFailed(f"the token subscription to {node} {why}"))

@@ -165,7 +165,7 @@ def test_a_committed_deflection_under_way_continues_from_its_prefix():
 )
 def test_a_resumed_queue_walk_equals_the_full_walk_bit_for_bit(model, changes):
     """Queues growing at the tail (resumed), losing their head or changing it (walked again) price as walked whole."""
-    walks = QueueWalks()
+    walks = QueueWalks(min_items=1)
     queued: tuple[int, ...] = ()
     cached: tuple[int, ...] = ()
     committed: tuple[tuple[int, ...], ...] = ()
@@ -193,7 +193,7 @@ def test_a_resumed_queue_walk_equals_the_full_walk_bit_for_bit(model, changes):
 
 
 def test_a_walk_is_not_resumed_for_another_model_or_head():
-    walks = QueueWalks()
+    walks = QueueWalks(min_items=1)
     node = PrefillNodeView("p0", (4000, 300))
     first = queue_wait_exact_s(SIMPLE, node, 512, walks)
     slower = dataclasses.replace(SIMPLE, c0=0.02)
