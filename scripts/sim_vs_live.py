@@ -9,8 +9,8 @@ simulator on the very same requests, and prints both summaries with the
 ratio of each figure, the rate the load generator achieved, and the CPU the
 serving path spent per streamed token (every Serve process of the app: proxy,
 ingress, router, engine replicas), in all and per process. ``--idle S`` first
-measures each process's CPU per second while no request runs. With
-``--profile DIR``, py-spy samples each
+measures each process's CPU per second while no request runs. Ray starts with
+``kairos_ray.serve.CLUSTER_ENV``. With ``--profile DIR``, py-spy samples each
 of those processes during the last rate's replay and the script prints where
 each spent its time (the functions on top of the stacks, and the busiest
 stacks' frames from this project, Ray and asyncio). Everything it started is
@@ -38,7 +38,7 @@ from kairos_ray.bench.loadgen import replay
 from kairos_ray.bench.serving_cost import cpu_s, own_cpu_s, serving_processes
 from kairos_ray.config import load_config
 from kairos_ray.metrics import summarize
-from kairos_ray.serve import build_app
+from kairos_ray.serve import build_app, use_cluster_env
 from kairos_ray.sim.run import SimSetup, compare_rows
 from kairos_ray.workloads.synthetic import synthetic
 
@@ -100,6 +100,7 @@ def main() -> int:
     kairos = load_config(args.config)
     model = app_args["decode_config"]["model_loading_config"]["model_id"]
     port = free_port()
+    use_cluster_env()
     ray.init(num_cpus=2, resources={"prefill_node": 2, "decode_node": 2}, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
