@@ -134,7 +134,7 @@ class DecisionBatcher:
     """
 
     def __init__(self, router: DeploymentHandle) -> None:
-        self.router = router
+        self.router = router.options(_by_reference=False)  # by value over Serve's gRPC transport (serve.mux)
         self._wanted: list[tuple[DecisionRequest, asyncio.Future[RoutingReply]]] = []
         self._calls: set[asyncio.Task[None]] = set()
 

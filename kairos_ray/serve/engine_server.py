@@ -58,7 +58,7 @@ class EngineServer:
         context = serve.get_replica_context()
         self.node_id = f"{role}-{context.replica_id.unique_id}"
         self.policy = config.build_policy()
-        self.router = router
+        self.router = router.options(_by_reference=False)  # reports by value over Serve's gRPC transport
         self._reports: deque[Any] = deque(maxlen=32)
         self._outboxes: dict[str, Outbox] = {}  # ingress replica -> the tokens waiting for its next item
         self._runs: dict[RequestKey, asyncio.Task[None]] = {}  # (request id, attempt) -> its generation here
