@@ -8,7 +8,9 @@ replays a synthetic workload at each rate with the load generator, runs the
 simulator on the very same requests, and prints both summaries with the
 ratio of each figure, the rate the load generator achieved, and the CPU the
 serving path spent per streamed token (every Serve process of the app: proxy,
-ingress, router, engine replicas). With ``--profile DIR``, py-spy samples each
+ingress, router, engine replicas), in all and per process. ``--idle S`` first
+measures each process's CPU per second while no request runs. Ray starts with
+``kairos_ray.serve.CLUSTER_ENV``. With ``--profile DIR``, py-spy samples each
 of those processes during the last rate's replay and the script prints where
 each spent its time (the functions on top of the stacks, and the busiest
 stacks' frames from this project, Ray and asyncio). Everything it started is
@@ -36,7 +38,7 @@ from kairos_ray.bench.loadgen import replay
 from kairos_ray.bench.serving_cost import cpu_s, own_cpu_s, serving_processes
 from kairos_ray.config import load_config
 from kairos_ray.metrics import summarize
-from kairos_ray.serve import build_app
+from kairos_ray.serve import build_app, use_cluster_env
 from kairos_ray.sim.run import SimSetup, compare_rows
 from kairos_ray.workloads.synthetic import synthetic
 
@@ -77,6 +79,12 @@ def hot_spots(name: str, path: Path, top: int = 8) -> str:
     return "\n".join(lines)
 
 
+def per_process(values: dict[str, float], scale: float, unit: str) -> str:
+    """``name value`` pairs, largest first."""
+    ranked = sorted(values.items(), key=lambda item: -item[1])
+    return ", ".join(f"{name} {scale * value:.3f}" for name, value in ranked) + f" ({unit})"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="serve_configs/2p2d-emulated.yaml", help="a Serve config of the app")
@@ -85,12 +93,14 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--profile", metavar="DIR", help="py-spy the serving processes during the last rate's replay")
+    parser.add_argument("--idle", type=float, default=0.0, metavar="S", help="first measure the idle app's CPU for S s")
     args = parser.parse_args()
     (application,) = yaml.safe_load(Path(args.config).read_text())["applications"]
     app_args = application["args"]
     kairos = load_config(args.config)
     model = app_args["decode_config"]["model_loading_config"]["model_id"]
     port = free_port()
+    use_cluster_env()
     ray.init(num_cpus=2, resources={"prefill_node": 2, "decode_node": 2}, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -107,6 +117,11 @@ def main() -> int:
                 pass
             time.sleep(1)
         processes = serving_processes("kairos")
+        if args.idle:
+            before = {p: cpu_s(p.pid) for p in processes}
+            time.sleep(args.idle)
+            idle = {p.name: (cpu_s(p.pid) - before[p]) / args.idle for p in processes}
+            print(f"idle: {1e3 * sum(idle.values()):.1f} ms of CPU per second", per_process(idle, 1e3, "ms/s"))
         setup = SimSetup.from_config(kairos, None, 2, 2, args.seed)
         rates = [float(r) for r in args.rates.split(",")]
         for rps in rates:
@@ -117,7 +132,8 @@ def main() -> int:
             before = {p: cpu_s(p.pid) for p in processes}
             own = own_cpu_s()
             result = asyncio.run(replay(url, model, workload))
-            spent = sum(cpu_s(p.pid) - before[p] for p in processes)
+            spent_by = {p.name: cpu_s(p.pid) - before[p] for p in processes}
+            spent = sum(spent_by.values())
             own = own_cpu_s() - own
             tokens = sum(r.output_tokens for r in result.records)
             live = summarize(result.records, kairos.slo, "live", rps, failed=len(result.failures))
@@ -129,6 +145,7 @@ def main() -> int:
             print(compare_rows(sim, live))
             print(f"serving path CPU {1e3 * spent / max(1, tokens):.3f} ms per streamed token ({tokens} tokens); "
                   f"load generator {1e3 * own / max(1, tokens):.3f} ms", flush=True)  # fmt: skip
+            print("  per process:", per_process(spent_by, 1e3 / max(1, tokens), "ms/token"), flush=True)
             for name, spy, path in spies:
                 spy.wait()
                 print(hot_spots(name, path))

@@ -9,6 +9,7 @@ import ray.autoscaler
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
+from kairos_ray.serve import CLUSTER_ENV
 from kairos_ray.serve.args import AppArgs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +64,14 @@ def test_dashboard_and_metrics_listen_on_the_private_address_only():
         head = " ".join(load(ROOT / "cluster" / cluster)["head_start_ray_commands"])
         assert '--dashboard-host="$(hostname -I' in head
         assert "0.0.0.0" not in head
+
+
+@pytest.mark.parametrize("cluster", [c for c, _ in PAIRS])
+def test_every_node_starts_ray_with_the_apps_cluster_env(cluster):
+    config = load(ROOT / "cluster" / cluster)
+    for commands in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = [c for c in config[commands] if "ray start" in c]
+        assert starts and all(f"{name}={value} " in c for c in starts for name, value in CLUSTER_ENV.items())
 
 
 @pytest.mark.parametrize("cluster, serve_config", PAIRS)

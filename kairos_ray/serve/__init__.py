@@ -12,10 +12,15 @@ one replica per node, pinned to its node group through the pool's
 replicas hold the placement group Ray Serve LLM would give them. With an
 ``autoscaling`` section a pool grows and shrinks on Kairos's signals, with a
 ``deployment_config.autoscaling_config`` on Serve's.
+
+The cluster the app runs on should start with ``CLUSTER_ENV`` in its
+environment (``use_cluster_env`` before ``ray.init``; exported before
+``ray start``): Serve reads it in its proxy, which the app cannot configure.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 from typing import Any
 
@@ -26,6 +31,16 @@ from kairos_ray.serve.args import AppArgs, PoolConfig
 from kairos_ray.serve.engine_server import EngineServer
 from kairos_ray.serve.ingress import Ingress
 from kairos_ray.serve.router import Router
+
+CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+"""Serve's HTTP proxy takes each response's items from the ingress over Serve's gRPC transport: a streamed item
+costs a fraction of the CPU of a Ray streaming-generator item (``docs/live-path-performance.md``)."""
+
+
+def use_cluster_env() -> None:
+    """Put ``CLUSTER_ENV`` in this process's environment (where not set already), for the Ray it starts."""
+    for name, value in CLUSTER_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 def pool_options(role: str, pool: PoolConfig, kairos: KairosConfig) -> dict[str, Any]:

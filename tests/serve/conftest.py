@@ -13,7 +13,7 @@ from ray import serve
 from ray.serve._private.api import serve_start
 from ray.serve.schema import ServeDeploySchema
 
-from kairos_ray.serve import build_app
+from kairos_ray.serve import build_app, use_cluster_env
 
 MODEL = "deepseek-v2-lite"
 
@@ -55,6 +55,7 @@ def running_app(
     With ``dashboard_port``, Ray's dashboard listens there on 127.0.0.1.
     """
     http_port, metrics_port = free_port(), free_port()
+    use_cluster_env()
     ray.init(
         address="local",  # a Ray of its own, even where `ray start` runs another on this machine
         num_cpus=num_cpus,
