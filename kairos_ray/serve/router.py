@@ -18,6 +18,16 @@ for ``node_timeout_s`` (engines send a heartbeat every second when idle), or
 at once when they report themselves unhealthy (their engine died or stalled).
 A request that failed on some nodes is decided without them (``avoid``).
 
+Prefix caches: the router keeps a ``core.BlockCache`` per node, mirrored from
+the deltas its reports carry (``PrefixDelta``: vLLM's KV events, or an
+emulated node's cache), and dropped with the node. A decision reads each
+node's hit for the request's block hashes (``DecisionRequest.block_ids``,
+hashed by the ingress with the block sizes the router's replies name) into
+``core.PrefixHits`` for the policy, which prices only each node's uncached
+suffix. The ledger needs nothing more: ``apply_decision`` charges the
+decision's uncached part only. A report lost in between (a gap in a node's
+``seq``) drops that node's mirror until its next full delta.
+
 ``Router`` is the Serve deployment around it (one replica), with metrics and
 the online refit of the step-latency model.
 """
@@ -26,15 +36,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ray import serve
 
 from kairos_ray.config import KairosConfig
-from kairos_ray.core import ClusterView, Decision, DecodeNodeView, Policy, PrefillNodeView, apply_decision
-from kairos_ray.messages import DecisionRequest, NodeState, RouterLive, RoutingReply
+from kairos_ray.core import (
+    BlockCache,
+    ClusterView,
+    Decision,
+    DecodeNodeView,
+    Policy,
+    PrefillNodeView,
+    PrefixHits,
+    apply_decision,
+)
+from kairos_ray.messages import DecisionRequest, NodeState, PrefixDelta, RouterLive, RoutingReply
 from kairos_ray.serve.metrics import RouterMetrics
 from kairos_ray.serve.refit import OnlineRefit
 
@@ -70,6 +89,9 @@ class RouterState:
         self.received: dict[str, float] = {}  # node id -> monotonic time of its last report
         self.pending: dict[int, _Pending] = {}  # request id -> its undelivered decision, oldest first
         self._view: ClusterView | None = None  # reports + ledger, while nothing changed but decisions
+        self.caches: dict[str, BlockCache] = {}  # node id -> mirror of its prefix cache
+        self._next_seq: dict[str, int] = {}  # node id -> the ``PrefixDelta.seq`` its mirror expects next
+        self.block_tokens: tuple[int, ...] = ()  # the mirrors' block sizes (the ingress hashes prompts with them)
 
     def report(self, state: NodeState, now: float) -> None:
         """Take a node's report; a node that reports itself unhealthy leaves the view at once."""
@@ -79,13 +101,49 @@ class RouterState:
         if not state.healthy:
             self.states.pop(state.node_id, None)
             self.received.pop(state.node_id, None)
+            self._drop_cache(state.node_id)
             return
         self.states[state.node_id] = state
         self.received[state.node_id] = now
+        if state.prefix is not None:
+            self._mirror(state.node_id, state.prefix)
+
+    def _mirror(self, node: str, prefix: PrefixDelta) -> None:
+        """Apply a node's prefix-cache delta; a lost one (a gap in ``seq``) drops the mirror until a full one."""
+        cache = self.caches.get(node)
+        if prefix.delta.full:
+            if cache is None or cache.block_tokens != prefix.block_tokens:
+                cache = self.caches[node] = BlockCache(prefix.block_tokens)
+                self._sizes_changed()
+        elif cache is None or self._next_seq.get(node) != prefix.seq:
+            self._drop_cache(node)
+            return
+        cache.apply(prefix.delta)
+        self._next_seq[node] = prefix.seq + 1
+
+    def _drop_cache(self, node: str) -> None:
+        self._next_seq.pop(node, None)
+        if self.caches.pop(node, None) is not None:
+            self._sizes_changed()
+
+    def _sizes_changed(self) -> None:
+        self.block_tokens = tuple(sorted({cache.block_tokens for cache in self.caches.values()}))
+
+    def hits(self, block_ids: Mapping[int, tuple[int, ...]], prompt_tokens: int) -> PrefixHits | None:
+        """Each node's cached prefix of a prompt with these block hashes (None: the prompt has no identity)."""
+        if not block_ids:
+            return None
+        tokens = {}
+        for node, cache in self.caches.items():
+            hashes = block_ids.get(cache.block_tokens)
+            if hashes:
+                tokens[node] = cache.cached_tokens(hashes, prompt_tokens)
+        return PrefixHits(tokens)
 
     def forget_silent_nodes(self, now: float) -> None:
         for node in [n for n, seen in self.received.items() if now - seen > self.node_timeout_s]:
             del self.states[node], self.received[node]
+            self._drop_cache(node)
             self._view = None
 
     def _expire(self, now: float) -> None:
@@ -121,11 +179,20 @@ class RouterState:
         return view, now - min(self.received.values())
 
     def decide(
-        self, request_id: int, prompt_tokens: int, output_tokens: int, now: float, avoid: Collection[str] = ()
+        self,
+        request_id: int,
+        prompt_tokens: int,
+        output_tokens: int,
+        now: float,
+        avoid: Collection[str] = (),
+        block_ids: Mapping[int, tuple[int, ...]] | None = None,
     ) -> tuple[Decision, float]:
-        """(decision, staleness) on the nodes not in ``avoid``; raises ``MissingState`` while a pool has none."""
+        """(decision, staleness) on the nodes not in ``avoid``; raises ``MissingState`` while a pool has none.
+
+        ``block_ids``: the prompt's block hashes per block size, for the nodes' cached prefixes (``hits``).
+        """
         view, staleness = self.view(now, avoid)
-        decision = self.policy.decide(prompt_tokens, view)
+        decision = self.policy.decide(prompt_tokens, view, self.hits(block_ids or {}, prompt_tokens))
         if self.pending.pop(request_id, None) is not None:  # a retry replaces its request's earlier entry
             self._view = None
         self.pending[request_id] = _Pending(prompt_tokens, output_tokens, decision, now)
@@ -155,11 +222,11 @@ class Router:
         start = time.perf_counter()
         r = request
         decision, staleness = self.state.decide(
-            r.request_id, r.prompt_tokens, r.output_tokens, time.monotonic(), r.avoid
+            r.request_id, r.prompt_tokens, r.output_tokens, time.monotonic(), r.avoid, r.block_ids
         )
         decision_s = time.perf_counter() - start
         self.metrics.decided(decision, decision_s, staleness)
-        return RoutingReply(decision, decision_s, staleness)
+        return RoutingReply(decision, decision_s, staleness, block_tokens=self.state.block_tokens)
 
     async def decide_many(self, requests: list[DecisionRequest]) -> list[RoutingReply]:
         """Decide requests one after another, in order, each seeing the ones before in the ledger."""
@@ -193,6 +260,11 @@ class Router:
         self.state.forget_silent_nodes(now)
         states = {node: (state, self.state.received[node]) for node, state in self.state.states.items()}
         return self.metrics.window.live(self.state.policy.spec, states, now)
+
+    async def prefix_hits(self, block_ids: dict[int, tuple[int, ...]], prompt_tokens: int) -> dict[str, int]:
+        """Each node's cached prefix of such a prompt, as the router's mirrors hold it (for tests and debugging)."""
+        hits = self.state.hits(block_ids, prompt_tokens)
+        return dict(hits.tokens_by_node) if hits else {}
 
     async def snapshot(self) -> dict[str, NodeState]:
         """The last state of every live node (for tests and debugging)."""
