@@ -191,7 +191,7 @@ class RoutingReply:
     decision_s: float  # time the router spent deciding
     staleness_s: float  # age of the oldest engine report behind the decision
     fallback: bool = False  # the router could not decide: plain disaggregation on any nodes (counted)
-    block_tokens: tuple[int, ...] = ()  # the block sizes of the nodes' prefix caches: hash the next prompts so
+    block_tokens: tuple[int, ...] = ()  # the nodes' prefix-cache block sizes: the ingress hashes prompts with them
 
     @classmethod
     def fallback_for(cls, reason: str) -> RoutingReply:

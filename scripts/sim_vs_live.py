@@ -23,16 +23,14 @@ import collections
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import ray
 import yaml
 from ray import serve
 
-from kairos_ray.bench.loadgen import replay
+from kairos_ray.bench.loadgen import replay, wait_until_routed
 from kairos_ray.bench.serving_cost import cpu_s, own_cpu_s, serving_processes
 from kairos_ray.config import load_config
 from kairos_ray.metrics import summarize
@@ -96,16 +94,7 @@ def main() -> int:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(app_args), name="kairos", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:  # until every engine has reported
-            try:
-                body = {"model": model, "prompt": "warm up", "max_tokens": 1}
-                r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-                if r.status_code == 200 and r.headers["x-kairos-fallback"] == "0":
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        wait_until_routed(url, model, within_s=600)
         processes = serving_processes("kairos")
         setup = SimSetup.from_config(kairos, None, 2, 2, args.seed)
         rates = [float(r) for r in args.rates.split(",")]
