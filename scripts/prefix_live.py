@@ -70,7 +70,13 @@ def main() -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     rows = []
-    ray.init(num_cpus=2, resources={"prefill_node": 2, "decode_node": 2}, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local",  # a Ray of its own, even where `ray start` runs another on this machine
+        num_cpus=2,
+        resources={"prefill_node": 2, "decode_node": 2},
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for policy in args.policies.split(","):
