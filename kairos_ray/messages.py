@@ -9,7 +9,7 @@ frozen structs, every field commented, units in the names.
 | ``KVHandoff`` | prefill node -> (ingress) -> decode node | each engine's ``prefill`` |
 | ``TokenEvent`` (in lists: the tokens ready at once) | decode engine -> its server | each engine's ``generate`` |
 | ``TokenBatch`` | decode node -> ingress replica (one subscription each) | ``serve.mux.Outbox`` |
-| ``NodeState`` (with its ``StepRecord`` s) | engine node -> router | ``engines.reporting.StateReporter`` |
+| ``NodeState`` (``StepRecord`` s, ``PrefixDelta``) | engine node -> router | ``engines.reporting.StateReporter`` |
 | ``DecisionRequest`` | ingress -> router | ``serve.dispatch`` (batched per event-loop tick) |
 | ``RoutingReply`` | router -> ingress | ``serve.router.RouterActor.decide_many`` (or the ingress's fallback) |
 | ``RouterLive`` (a ``NodeLive`` per node) | router -> ingress | ``serve.live.RouterWindow`` |
@@ -22,11 +22,11 @@ handler in the ingress, never inside a reply.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from kairos_ray.core import Decision, DecodeNodeView, PrefillNodeView, Route
+from kairos_ray.core import CacheDelta, Decision, DecodeNodeView, PrefillNodeView, Route
 
 if TYPE_CHECKING:  # vLLM's class; the emulated engines only read ``max_tokens``, which the request carries itself
     from vllm import SamplingParams
@@ -48,7 +48,7 @@ class EngineRequest:
     max_tokens: int  # tokens to generate, the first included
     arrival_wall_s: float  # time.time() when the ingress accepted it
     chunk_schedule: tuple[int, ...] = ()  # deflected: prefill in these chunks, in place (Eq. 5's X*)
-    prompt_token_ids: tuple[int, ...] = ()  # the tokenized prompt (vLLM engines need it; emulated ones do not)
+    prompt_token_ids: tuple[int, ...] = ()  # the tokenized prompt (vLLM engines need it; emulated ones hash it)
     sampling: SamplingParams | None = None  # as vLLM's OpenAI server builds it (None: its defaults; emulated engines)
     priority: int = 0  # vLLM's request priority (lower first; a no-op under FCFS scheduling)
     cache_salt: str | None = None  # salts the prompt's prefix-cache hashes on the engines (vLLM's ``cache_salt``)
@@ -68,6 +68,7 @@ class KVHandoff:
     prefill_exec_s: float  # first prefill step to the last
     prefill_end_wall_s: float  # time.time() when the prompt's last chunk finished
     transport: str  # how the KV travels: object_store, gloo or nccl (a channel), or a vLLM connector's name
+    cached_tokens: int = 0  # prompt tokens the prefill node's prefix cache held (not computed there)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,7 @@ class TokenEvent:
     breakdown: TTFTBreakdown | None = None  # on the first token only: what the engines timed of the TTFT
     logprobs: tuple[TokenLogprob, ...] = ()  # requests with logprobs: vLLM's entries, the sampled token's first
     stop_reason: int | str | None = None  # on the last token: the stop string or token id that ended it, if any
+    cached_tokens: int = 0  # on the first token, deflected: prompt tokens this node's prefix cache held
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +131,15 @@ class StepRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixDelta:
+    """A node's prefix-cache changes since its previous report (the router mirrors the cache from them)."""
+
+    block_tokens: int  # the node's KV block size: the router matches a prompt's hashes of this block size
+    seq: int  # 0, 1, 2... per node: a gap means a lost report, and the mirror waits for a full delta
+    delta: CacheDelta  # blocks stored and removed (vLLM's KV events, folded), or the whole cache when ``full``
+
+
+@dataclass(frozen=True, slots=True)
 class NodeState:
     """A node's report to the router: after its steps (at most every ``report_interval_s``) and on a heartbeat."""
 
@@ -144,6 +155,7 @@ class NodeState:
     kv_recomputes: int = 0  # decode: hand-offs whose KV was lost or late, recomputed here (cumulative)
     kv_usage: float = 0.0  # share of the node's KV cache in use, as its engine counts it
     healthy: bool = True  # False: its engine died or stopped making progress (the router drops the node at once)
+    prefix: PrefixDelta | None = None  # its prefix cache's changes since the previous report (None: none)
 
     @property
     def node_id(self) -> str:
@@ -166,6 +178,9 @@ class DecisionRequest:
     prompt_tokens: int  # l_r
     output_tokens: int  # max_tokens: a deflection reserves KV for them on its node
     avoid: tuple[str, ...] = ()  # nodes that failed this request: decide without them
+    # block size -> the prompt's chained block hashes as vLLM's KV events name them (``core.prefix.block_ids``),
+    # for the block sizes the router asked for (``RoutingReply.block_tokens``); empty: no prefix identity
+    block_ids: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +191,7 @@ class RoutingReply:
     decision_s: float  # time the router spent deciding
     staleness_s: float  # age of the oldest engine report behind the decision
     fallback: bool = False  # the router could not decide: plain disaggregation on any nodes (counted)
+    block_tokens: tuple[int, ...] = ()  # the nodes' prefix-cache block sizes: the ingress hashes prompts with them
 
     @classmethod
     def fallback_for(cls, reason: str) -> RoutingReply:

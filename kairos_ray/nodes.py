@@ -249,12 +249,13 @@ class DecodeNode:
     def deflect(self, job: Job) -> None:
         """Commit a deflected job; it runs after the deflections already here.
 
-        With a cache, the job takes its hit now, and its schedule is cut to the uncached suffix.
+        With a cache, the job takes its hit now; its schedule is cut to the uncached suffix, or, planned for a hit
+        the node no longer holds, gets the rest as one more chunk.
         """
         if self.cache is not None and job.block_hashes:
             job.cached_tokens = _take_hit(self.cache, job)
-            job.schedule = covering(job.schedule, job.prompt_tokens - job.cached_tokens)
             self.num_cached += job.cached_tokens > 0
+        job.schedule = covering(job.schedule, job.prompt_tokens - job.cached_tokens)  # also a hit it no longer has
         self.reserved_tokens += job.prompt_tokens + job.output_tokens
         self.deflections.append(job)
         self._fit_cache()

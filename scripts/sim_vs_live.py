@@ -29,12 +29,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import ray
 import yaml
 from ray import serve
 
-from kairos_ray.bench.loadgen import replay
+from kairos_ray.bench.loadgen import replay, wait_until_routed
 from kairos_ray.bench.serving_cost import cpu_s, own_cpu_s, serving_processes
 from kairos_ray.config import load_config
 from kairos_ray.metrics import summarize
@@ -101,21 +100,18 @@ def main() -> int:
     model = app_args["decode_config"]["model_loading_config"]["model_id"]
     port = free_port()
     use_cluster_env()
-    ray.init(num_cpus=2, resources={"prefill_node": 2, "decode_node": 2}, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        resources={"prefill_node": 2, "decode_node": 2},
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(app_args), name="kairos", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:  # until every engine has reported
-            try:
-                body = {"model": model, "prompt": "warm up", "max_tokens": 1}
-                r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-                if r.status_code == 200 and r.headers["x-kairos-fallback"] == "0":
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        wait_until_routed(url, model, within_s=600)
         processes = serving_processes("kairos")
         if args.idle:
             before = {p: cpu_s(p.pid) for p in processes}

@@ -20,6 +20,17 @@ previous event, the others a gap of 0 (they reached the client together),
 so a request's largest gap (``max_tbt_s``) and the P99 gap describe stalls
 whatever the event size.
 
+A workload with prefix identity (``multiturn``: requests carry their blocks'
+hashes) is sent as conversations: blocks with equal hashes get equal tokens,
+and a block that an earlier request's prompt or answer filled gets that
+request's tokens, its answer as the server generated it (``Conversations``).
+So a turn's prompt is the last turn's prompt, its real answer and a new
+message, and a prefix cache holding the last turn holds this one's history.
+A turn that arrives before its predecessor's answer is back gets made-up
+tokens for the answer's blocks (the open loop does not wait), as in the
+simulator, where such a turn finds no answer cached. The cached prompt
+tokens the server reports (``x-kairos-cached-tokens``) go in each record.
+
 The replay reports how well it kept to the schedule: the rate it achieved
 and its send lag (how late each request went out), and warns when it fell
 behind by more than 2 %.
@@ -30,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +50,7 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 
+from kairos_ray.core import BlockHash
 from kairos_ray.metrics import BREAKDOWN, RequestRecord
 from kairos_ray.workloads import Request, Workload
 
@@ -54,6 +67,34 @@ def prompt_ids(request_id: int, tokens: int) -> list[int]:
     if tokens > 1:
         ids[1] = PROMPT_BASE + (request_id // PROMPT_IDS) % PROMPT_IDS
     return ids
+
+
+class Conversations:
+    """Prompts of a workload with prefix identity: tokens per block hash, as the requests' answers filled them."""
+
+    def __init__(self, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self.known: dict[BlockHash, list[int]] = {}  # block hash -> its tokens, from the first request that filled it
+
+    @staticmethod
+    def _made_up(seed: BlockHash | str, tokens: int) -> list[int]:
+        """Tokens no server sent: a function of ``seed`` (a block's hash: equal blocks, equal tokens)."""
+        return random.Random(seed).choices(range(PROMPT_BASE, PROMPT_BASE + PROMPT_IDS), k=tokens)
+
+    def prompt(self, request_id: int, request: Request) -> list[int]:
+        """The prompt's tokens: each block's known tokens, or made up from its hash (or, past its hashes, its id)."""
+        b, ids = self.block_tokens, []
+        for i in range(math.ceil(request.prompt_tokens / b)):
+            h = request.block_hashes[i] if i < len(request.block_hashes) else None
+            block = self._made_up(f"{request_id}.{i}", b) if h is None else self.known.get(h) or self._made_up(h, b)
+            ids += block
+        return ids[: request.prompt_tokens]
+
+    def answered(self, request: Request, stream: list[int]) -> None:
+        """A request's prompt and answer tokens: every full block of them is known from now on."""
+        b = self.block_tokens
+        for i, h in enumerate(request.block_hashes[: len(stream) // b]):
+            self.known.setdefault(h, stream[i * b : (i + 1) * b])
 
 
 RecordOrError = RequestRecord | str
@@ -100,19 +141,24 @@ def _tokens_per_event(counted: list[int], total: int | None) -> list[int]:
     return [1 + extra // events + (i < extra % events) for i in range(events)]
 
 
-async def _one(client: httpx.AsyncClient, model: str, rid: int, req: Request, start: float) -> RequestRecord | str:
+async def _one(
+    client: httpx.AsyncClient, model: str, rid: int, req: Request, start: float, talks: Conversations | None
+) -> RequestRecord | str:
+    prompt = talks.prompt(rid, req) if talks is not None else prompt_ids(rid, req.prompt_tokens)
     body = {
         "model": model,
-        "prompt": prompt_ids(rid, req.prompt_tokens),
+        "prompt": prompt,
         "max_tokens": req.output_tokens,
         "stream": True,
         "ignore_eos": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        **({"return_token_ids": True} if talks is not None else {}),  # the answer's ids make the next turn
     }
     sent = time.monotonic()
     stamps: list[float] = []
     counted: list[int] = []  # tokens per event, by the server's running usage where it sends one (else 1)
     generated, total = 0, None
+    answer: list[int] = []
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -125,6 +171,7 @@ async def _one(client: httpx.AsyncClient, model: str, rid: int, req: Request, st
                 usage = chunk.get("usage") or {}
                 so_far = usage.get("completion_tokens")
                 if chunk.get("choices"):  # tokens (their text may be empty: part of a character)
+                    answer += chunk["choices"][0].get("token_ids") or []
                     stamps.append(time.monotonic())
                     counted.append(so_far - generated if so_far is not None else 1)
                     generated = so_far if so_far is not None else generated + 1
@@ -135,8 +182,11 @@ async def _one(client: httpx.AsyncClient, model: str, rid: int, req: Request, st
         return f"request {rid}: {type(exc).__name__}: {exc}"
     if not stamps:
         return f"request {rid}: no tokens streamed"
+    if talks is not None:
+        talks.answered(req, prompt + answer)
     tokens = _tokens_per_event([max(1, c) for c in counted], total)
     breakdown = _breakdown(headers.get("x-kairos-breakdown"))
+    cached = headers.get("x-kairos-cached-tokens")
     return RequestRecord(
         request_id=rid,
         arrival_s=sent - start,
@@ -152,6 +202,7 @@ async def _one(client: httpx.AsyncClient, model: str, rid: int, req: Request, st
         prefill_exec_s=breakdown["prefill_exec_s"],
         kv_transfer_s=breakdown["kv_transfer_s"],
         decode_queue_s=breakdown["decode_queue_s"],
+        cached_tokens=int(cached) if cached is not None else None,
     )
 
 
@@ -160,6 +211,8 @@ async def replay(
 ) -> BenchResult:
     """Send every request of ``workload`` at its arrival time; wait for all of them."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    has_identity = any(r.block_hashes for r in workload.requests)
+    talks = Conversations(workload.block_tokens) if has_identity else None
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
         start = time.monotonic()
         lags = [0.0] * len(workload.requests)
@@ -169,7 +222,7 @@ async def replay(
             await asyncio.sleep(max(0.0, start + req.arrival_s - time.monotonic()))
             sends[rid] = time.monotonic()
             lags[rid] = sends[rid] - start - req.arrival_s
-            result = await _one(client, model, rid, req, start)
+            result = await _one(client, model, rid, req, start, talks)
             if progress is not None:
                 progress(1)
             return result
@@ -197,3 +250,18 @@ async def served_model(url: str) -> str:
         if not data:
             raise ValueError(f"{url}/v1/models lists no model")
         return str(data[0]["id"])
+
+
+def wait_until_routed(url: str, model: str, within_s: float) -> None:
+    """Until a Kairos-Ray app has every engine reporting: a warm-up request that its router decided."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            body = {"model": model, "prompt": "warm up", "max_tokens": 1}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            if r.status_code == 200 and r.headers["x-kairos-fallback"] == "0":
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"the app at {url} did not come up within {within_s:g} s")

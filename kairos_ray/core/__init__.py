@@ -13,7 +13,15 @@ from kairos_ray.core.estimate import (
 )
 from kairos_ray.core.latency import FEATURE_NAMES, StepLatency, StepLatencyModel, StepwiseLatency, features
 from kairos_ray.core.policy import POLICIES, Guard, Policy, PolicyParams, Thresholds, make_policy, parse_spec
-from kairos_ray.core.prefix import BlockCache, BlockHash, PrefixHits, block_hashes
+from kairos_ray.core.prefix import (
+    BlockCache,
+    BlockHash,
+    CacheDelta,
+    JournaledBlockCache,
+    PrefixHits,
+    block_hashes,
+    block_ids,
+)
 from kairos_ray.core.state import ClusterView, Decision, DecodeNodeView, PrefillNodeView, Route, apply_decision
 from kairos_ray.core.sweep import tbt_safe_schedule
 
@@ -23,10 +31,12 @@ __all__ = [
     "PREFILL_ESTIMATORS",
     "BlockCache",
     "BlockHash",
+    "CacheDelta",
     "ClusterView",
     "Decision",
     "DecodeNodeView",
     "Guard",
+    "JournaledBlockCache",
     "Policy",
     "PolicyParams",
     "PrefillNodeView",
@@ -38,6 +48,7 @@ __all__ = [
     "Thresholds",
     "apply_decision",
     "block_hashes",
+    "block_ids",
     "decode_ttft_s",
     "features",
     "make_policy",

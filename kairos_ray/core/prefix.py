@@ -47,6 +47,7 @@ import pickle
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 BlockHash = bytes | int
 """A block's chained hash: vLLM's sha256 bytes, or an integer id (traces; vLLM's int KV events)."""
@@ -78,6 +79,27 @@ def block_hashes(token_ids: Sequence[int], block_tokens: int) -> tuple[bytes, ..
         parent = hash_block_tokens(parent, token_ids[start : start + block_tokens])
         hashes.append(parent)
     return tuple(hashes)
+
+
+def block_ids(token_ids: Sequence[int], block_tokens: int) -> tuple[int, ...]:
+    """``block_hashes`` as the 64-bit integers vLLM's KV events carry (its default
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``: the hash's last 8 bytes, big-endian)."""
+    return tuple(event_id(h) for h in block_hashes(token_ids, block_tokens))
+
+
+def event_id(block_hash: BlockHash) -> int:
+    """A block hash as vLLM's int KV events name it (``maybe_convert_block_hash``); an int is one already."""
+    return block_hash if isinstance(block_hash, int) else int.from_bytes(block_hash[-8:], "big")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheDelta:
+    """A node's prefix-cache changes over an interval, folded: apply ``full`` (clear), then ``removed``, then
+    ``stored`` (``BlockCache.apply``) and a mirror holds what the node holds."""
+
+    full: bool  # the node's cache was cleared first: ``stored`` is every block it holds now
+    stored: tuple[BlockHash, ...] = ()  # blocks cached since (vLLM's ``BlockStored``)
+    removed: tuple[BlockHash, ...] = ()  # blocks evicted since (``BlockRemoved``); empty when ``full``
 
 
 class BlockCache:
@@ -167,6 +189,84 @@ class BlockCache:
         self._holders.clear()
         self._free.clear()
         self.shared_blocks = 0
+
+    def apply(self, delta: CacheDelta) -> None:
+        """A node's reported changes (``JournaledBlockCache.take``), as its own cache went through them."""
+        if delta.full:
+            self.clear()
+        self.remove(delta.removed)
+        self.store(delta.stored)
+
+
+class JournaledBlockCache(BlockCache):
+    """A ``BlockCache`` that keeps its changes until they are taken: what a node reports to a router's mirror.
+
+    Blocks come in (``pin`` of a block not cached, ``store``) and go (``trim``,
+    ``remove``, ``clear``); ``take`` hands over the changes since the last
+    ``take``, folded so that applying them is one set operation per block
+    however often it came and went. The simulator's nodes use a plain
+    ``BlockCache``: it keeps no journal.
+    """
+
+    def __init__(self, block_tokens: int) -> None:
+        super().__init__(block_tokens)
+        self._stored: dict[BlockHash, None] = {}  # in since the last take, in order
+        self._removed: dict[BlockHash, None] = {}  # out since the last take (and cached before it)
+        self._full = True  # the next take is the whole cache (the first one, or after a clear)
+
+    def _came(self, hashes: Iterable[BlockHash]) -> None:
+        for h in hashes:
+            self._stored[h] = None
+
+    def _went(self, hashes: Iterable[BlockHash]) -> None:
+        for h in hashes:
+            if h in self._stored:  # came since the last take (if it was cached before, ``_removed`` has it)
+                del self._stored[h]
+            elif not self._full:
+                self._removed[h] = None
+
+    def pin(self, hashes: Iterable[BlockHash]) -> None:
+        hashes = tuple(hashes)
+        self._came([h for h in hashes if h not in self._holders])
+        super().pin(hashes)
+
+    def trim(self, max_free_blocks: int) -> None:
+        self._went(list(islice(self._free, max(0, len(self._free) - max(0, max_free_blocks)))))
+        super().trim(max_free_blocks)
+
+    def store(self, hashes: Iterable[BlockHash]) -> None:
+        hashes = tuple(hashes)
+        self._came([h for h in hashes if h not in self._holders])
+        super().store(hashes)
+
+    def remove(self, hashes: Iterable[BlockHash]) -> None:
+        hashes = tuple(hashes)
+        self._went([h for h in hashes if h in self._holders])
+        super().remove(hashes)
+
+    def clear(self) -> None:
+        super().clear()
+        self._stored.clear()
+        self._removed.clear()
+        self._full = True
+
+    @property
+    def changed(self) -> bool:
+        """Whether ``take`` has something to hand over."""
+        return self._full or bool(self._stored or self._removed)
+
+    def take(self, full: bool = False) -> CacheDelta | None:
+        """The changes since the last take (None: none); ``full``: the whole cache, for a mirror to start over."""
+        if full or self._full:
+            delta = CacheDelta(True, tuple(self._holders))
+        elif self._stored or self._removed:
+            delta = CacheDelta(False, tuple(self._stored), tuple(self._removed))
+        else:
+            return None
+        self._stored.clear()
+        self._removed.clear()
+        self._full = False
+        return delta
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,6 +64,17 @@ class NodeSpec:
     on_state: Callable[[NodeState], None] | None = None  # where state reports go (the router)
 
 
+def check_schedule(request: EngineRequest) -> None:
+    """A deflected request's chunk schedule covers its prompt, or the suffix the router found uncached here
+    (the engine computes what its own cache lacks: ``nodes.covering``)."""
+    schedule = request.chunk_schedule
+    if not schedule or min(schedule) < 1 or sum(schedule) > request.prompt_tokens:
+        raise ValueError(
+            f"a deflected request needs a chunk schedule of at most its {request.prompt_tokens} "
+            f"prompt tokens, got {schedule}"
+        )
+
+
 class EngineUnhealthy(RuntimeError):
     """The engine died or stopped making progress: its replica must be replaced, its requests run elsewhere."""
 

@@ -14,8 +14,16 @@ the prompt in place, in ``prefill_chunk_tokens`` chunks.
 Every step (at most every ``report_interval_s``) and on a heartbeat, the
 engine reports its state to the router.
 
-What the emulated engine ignores of a request: its prompt's token ids and
-its ``SamplingParams`` (the ingress parses and checks the request as for
+Prefix caching: each node keeps a ``BlockCache`` of ``BLOCK_TOKENS``-token
+blocks, as the node model does in the simulator (``kairos_ray.nodes``), for
+requests whose prompt came as token ids: a job's blocks are its prompt's
+and its deterministic answer's, so a conversation's next turn (the last
+prompt, the answer's token ids, a new message) hits the blocks of the node
+that served the last one. A deflection takes its hit on its node (its
+schedule cut to the uncached suffix), a prefill on its prefill node, and the
+reports carry the cache's changes to the router (``engines.reporting``).
+
+What the emulated engine ignores of a request: its ``SamplingParams`` (the ingress parses and checks the request as for
 vLLM engines, ``serve.tokens``): it emits exactly ``max_tokens`` tokens
 (never an end of sequence, a stop string or stop token), with no logprobs,
 whatever the temperature, seed, penalties or structured output asked for.
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import math
 import os
@@ -33,9 +42,9 @@ import zlib
 from collections.abc import AsyncIterator
 from typing import Self
 
-from kairos_ray.core import Guard, StepLatency, StepLatencyModel
+from kairos_ray.core import Guard, JournaledBlockCache, StepLatency, StepLatencyModel, block_ids
 from kairos_ray.emulation import ClusterHardware, GroundTruth, StepNoise
-from kairos_ray.engines import EngineUnhealthy, NodeSpec
+from kairos_ray.engines import EngineUnhealthy, NodeSpec, check_schedule
 from kairos_ray.engines.reporting import StateReporter
 from kairos_ray.kv import KVLost, KVTransport, build_transport
 from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role, TokenEvent, TTFTBreakdown
@@ -43,6 +52,7 @@ from kairos_ray.nodes import DecodeNode, Job, PrefillNode
 
 VOCAB = 1000
 HEARTBEAT_S = 1.0
+BLOCK_TOKENS = 16  # the prefix cache's block size: vLLM's on the GPUs these engines emulate
 
 
 def token_id(request_id: int, index: int) -> int:
@@ -75,9 +85,15 @@ class EmulatedEngine:
         self.reporter = reporter
         reporter.snapshot = self.state
         self.kv = transport
-        self.prefill_node = PrefillNode(node_id, prefill_chunk_tokens)
+        self.cache = reporter.cache = JournaledBlockCache(BLOCK_TOKENS)
+        self.prefill_node = PrefillNode(node_id, prefill_chunk_tokens, self.cache, hardware.kv_capacity_tokens)
         self.decode_node = DecodeNode(
-            node_id, hardware.kv_capacity_tokens, hardware.max_batch_size, guard, record_durations=False
+            node_id,
+            hardware.kv_capacity_tokens,
+            hardware.max_batch_size,
+            guard,
+            record_durations=False,
+            cache=self.cache,
         )
         self.kv_recomputes = 0  # hand-offs whose KV was lost: recomputed here
         self._noise = StepNoise(seed, hardware.noise_cv)
@@ -203,6 +219,18 @@ class EmulatedEngine:
         self._breakdowns.pop(job_id, None)
         self._requests.pop(job_id, None)
 
+    def _job(self, request: EngineRequest, answer: bool) -> Job:
+        """A job for ``request``, with its blocks' hashes when its prompt came as token ids (its answer's too on a
+        decode node: they stay cached for the next turn)."""
+        job = Job(next(self._job_ids), time.monotonic(), request.prompt_tokens, request.max_tokens)
+        if request.prompt_token_ids and request.cache_salt is None:
+            tokens = request.prompt_token_ids
+            if answer:
+                start = request.output_offset
+                tokens += tuple(token_id(request.request_id, i) for i in range(start, start + request.max_tokens))
+            job.block_hashes = block_ids(tokens, BLOCK_TOKENS)
+        return job
+
     def _emit(self, job: Job) -> None:
         rid = job.request_id
         request = self._requests.get(rid)
@@ -232,7 +260,9 @@ class EmulatedEngine:
             position = request.output_offset + index
             token = token_id(request.request_id, position)
             reason = "length" if finished else None
-            stream.put_nowait(TokenEvent(token, position, finished, self.node_id, f" tok{token}", reason, breakdown))
+            cached = job.cached_tokens if index == 0 and job.schedule else 0
+            event = TokenEvent(token, position, finished, self.node_id, f" tok{token}", reason, breakdown)
+            stream.put_nowait(dataclasses.replace(event, cached_tokens=cached) if cached else event)
         if finished:
             self._forget(rid)
         else:
@@ -243,7 +273,7 @@ class EmulatedEngine:
     async def prefill(self, request: EngineRequest) -> KVHandoff:
         if self.role is not Role.PREFILL:
             raise RuntimeError(f"{self.node_id} is a {self.role} node")
-        job = Job(next(self._job_ids), time.monotonic(), request.prompt_tokens, request.max_tokens)
+        job = self._job(request, answer=False)
         done = self._done[job.request_id] = asyncio.get_running_loop().create_future()
         self.prefill_node.enqueue(job)
         self.reporter.accepted(request.request_id)
@@ -264,6 +294,7 @@ class EmulatedEngine:
             prefill_exec_s=job.prefill_end_s - job.prefill_start_s,
             prefill_end_wall_s=time.time(),
             transport=transport,
+            cached_tokens=job.cached_tokens,
         )
 
     def release(self, request_id: int) -> None:
@@ -281,18 +312,14 @@ class EmulatedEngine:
     async def generate(self, request: EngineRequest, handoff: KVHandoff | None) -> AsyncIterator[list[TokenEvent]]:
         if self.role is not Role.DECODE:
             raise RuntimeError(f"{self.node_id} is a {self.role} node")
-        job = Job(next(self._job_ids), time.monotonic(), request.prompt_tokens, request.max_tokens)
+        job = self._job(request, answer=True)
         stream: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._streams[job.request_id] = stream
         self._requests[job.request_id] = request
         finished = False
         try:
             if handoff is None:
-                if not request.chunk_schedule or sum(request.chunk_schedule) != request.prompt_tokens:
-                    raise ValueError(
-                        f"a deflected request needs a chunk schedule summing to its {request.prompt_tokens} "
-                        f"prompt tokens, got {request.chunk_schedule}"
-                    )
+                check_schedule(request)
                 job.schedule = request.chunk_schedule
                 self.decode_node.deflect(job)
             else:

@@ -7,6 +7,13 @@ tells the router something a decision depends on: a request taken, or a
 change of the node's shape (its queue, its batch, its committed deflections)
 at most every ``interval_s``; otherwise (the KV growing by a token per
 request and step) every ``refresh_s``, and always on the heartbeat.
+
+An engine with a prefix cache gives the reporter its journal (``cache``):
+each push then carries the blocks stored and removed since the previous one
+(``PrefixDelta``), and a change of the cache is a reason to push, so the
+router's mirror (``serve.router``) learns a finished turn's blocks before
+the conversation's next turn comes. Every ``resync_s`` (and first) the delta
+is the whole cache, which restarts a mirror that lost a report.
 """
 
 from __future__ import annotations
@@ -16,11 +23,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
-from kairos_ray.core import DecodeNodeView, PrefillNodeView, StepLatency
-from kairos_ray.messages import NodeState, StepRecord
+from kairos_ray.core import DecodeNodeView, JournaledBlockCache, PrefillNodeView, StepLatency
+from kairos_ray.messages import NodeState, PrefixDelta, StepRecord
 
 MAX_STEPS_PER_REPORT = 64  # a report carries at most this many of the latest steps
 REFRESH_S = 0.25  # a node whose shape did not change still reports this often while it steps
+RESYNC_S = 30.0  # a node's prefix-cache delta is its whole cache this often
 
 
 class StateReporter:
@@ -33,9 +41,14 @@ class StateReporter:
         on_state: Callable[[NodeState], None] | None,
         interval_s: float,
         refresh_s: float = REFRESH_S,
+        resync_s: float = RESYNC_S,
     ) -> None:
         self.ray_node_id, self.predictor = ray_node_id, predictor
         self.on_state, self.interval_s, self.refresh_s = on_state, interval_s, refresh_s
+        self.cache: JournaledBlockCache | None = None  # the engine's prefix cache (or its mirror), if it has one
+        self.resync_s = resync_s
+        self._prefix_seq = 0
+        self._resynced_s = 0.0
         self._shape: tuple[object, ...] = ()  # of the last pushed view
         self.snapshot: Callable[[], NodeState] | None = None  # the engine's ``state``
         self._accepted: list[int] = []
@@ -86,13 +99,28 @@ class StateReporter:
             return
         state = self.snapshot()
         shape = _shape(state)
-        if not (force or self._accepted or shape != self._shape or since >= self.refresh_s):
+        cache = self.cache
+        changed = cache is not None and cache.changed
+        if not (force or changed or self._accepted or shape != self._shape or since >= self.refresh_s):
             return
         self._pushed_s, self._shape = time.monotonic(), shape
         accepted, self._accepted = tuple(self._accepted), []
         steps = tuple(self._steps)
         self._steps.clear()
-        self.on_state(replace(state, steps=steps, accepted_request_ids=accepted))
+        self.on_state(replace(state, steps=steps, accepted_request_ids=accepted, prefix=self._prefix()))
+
+    def _prefix(self) -> PrefixDelta | None:
+        """The cache's changes since the last push (its whole content every ``resync_s``)."""
+        if self.cache is None:
+            return None
+        full = time.monotonic() - self._resynced_s >= self.resync_s
+        delta = self.cache.take(full)
+        if delta is None:
+            return None
+        if delta.full:
+            self._resynced_s = time.monotonic()
+        self._prefix_seq += 1
+        return PrefixDelta(self.cache.block_tokens, self._prefix_seq - 1, delta)
 
 
 def _shape(state: NodeState) -> tuple[object, ...]:

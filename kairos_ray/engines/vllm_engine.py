@@ -35,7 +35,12 @@ metrics are exported as Ray metrics (``ray_vllm_*``) by vLLM's
 Live state: a stat logger runs after every step in this process; it records
 the step's measured time with its prefill tokens and batch size, and pushes
 the node's state to the router (at most every ``report_interval_s``, plus a
-heartbeat).
+heartbeat). With vLLM's prefix cache on, the engine core publishes its KV
+cache events to this actor (``engines.vllm_events``), which mirrors the cache
+and reports its changes with the state. A deflection's chunk schedule covers
+the suffix the router found uncached here; the scheduler runs it after
+vLLM's own hit. The prompt tokens vLLM found cached go back with the
+hand-off (prefill node) or the first token (deflected).
 
 Health: the heartbeat also pings the engine core (a utility call it answers
 between steps). Progress is the last step or answered ping; with none for
@@ -58,10 +63,11 @@ from typing import Any, Self, cast
 
 import ray
 
-from kairos_ray.core import DecodeNodeView, PrefillNodeView, StepLatencyModel
-from kairos_ray.engines import EngineUnhealthy, NodeSpec
+from kairos_ray.core import DecodeNodeView, JournaledBlockCache, PrefillNodeView, StepLatencyModel
+from kairos_ray.engines import EngineUnhealthy, NodeSpec, check_schedule
 from kairos_ray.engines.reporting import StateReporter
 from kairos_ray.engines.vllm_args import GUARD_KEY, SCHEDULE_KEY, guard_spec
+from kairos_ray.engines.vllm_events import KVEventMirror, events_config, events_endpoint, mirrorable
 from kairos_ray.engines.vllm_worker import EXTENSION as SEEDED_CHUNKS
 from kairos_ray.kv import KAIROS_CONNECTOR, KVBytes, KVLost, KVTransport, build_transport
 from kairos_ray.kv.staging import HOLD_KEY, Staging, node_staging_dir, remote_decode_params
@@ -171,6 +177,7 @@ class VllmEngine:
         self._ping: asyncio.Task[None] | None = None
         self._progress_s = time.monotonic()  # last step or answered ping
         self._unhealthy = ""  # why the engine is unhealthy ("" while it is healthy)
+        self.events: KVEventMirror | None = None  # the engine core's prefix cache, mirrored from its KV events
 
     @classmethod
     def from_spec(cls, spec: NodeSpec) -> Self:
@@ -210,6 +217,12 @@ class VllmEngine:
             self._nixl_identity()
         args = AsyncEngineArgs(**self.args)
         config = args.create_engine_config()
+        unmirrored = mirrorable(config.cache_config) if config.kv_events_config is None else "its own kv_events_config"
+        if not unmirrored:
+            endpoint = events_endpoint(self.staging.directory)
+            config.kv_events_config = events_config(endpoint)
+        elif config.cache_config.enable_prefix_caching:
+            logger.warning("%s: prefix caching without prefix-aware routing: %s", self.node_id, unmirrored)
         if config.parallel_config.distributed_executor_backend == "ray":  # as Ray Serve LLM: workers in our bundles
             config.parallel_config.placement_group = ray.util.get_current_placement_group()
         loggers: list[Any] = [self._stat_logger]
@@ -225,6 +238,10 @@ class VllmEngine:
         )
         cache = self.llm.vllm_config.cache_config
         self.kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+        if not unmirrored:
+            self.reporter.cache = JournaledBlockCache(int(cache.block_size))
+            self.events = KVEventMirror(self.reporter.cache, endpoint, on_change=self.reporter.report)
+            self.events.start()
         if self.args.get("worker_extension_cls") == SEEDED_CHUNKS:
             await self.llm.collective_rpc("rewind_cpu_generators")
         self._progress_s = time.monotonic()
@@ -244,6 +261,9 @@ class VllmEngine:
             if task is not None:
                 task.cancel()
         self._heartbeat = self._ping = None
+        if self.events is not None:
+            self.events.close()
+            self.events = None
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
@@ -392,6 +412,7 @@ class VllmEngine:
             prefill_exec_s=exec_s,
             prefill_end_wall_s=end_wall,
             transport=transport,
+            cached_tokens=final.num_cached_tokens or 0,
         )
 
     def _pop_queue(self, rid: int) -> None:
@@ -437,11 +458,7 @@ class VllmEngine:
         earlier = TTFTBreakdown()  # what the prefill node and the hand-off took
         extra: dict[str, Any] = {}
         if handoff is None:
-            if not request.chunk_schedule or sum(request.chunk_schedule) != request.prompt_tokens:
-                raise ValueError(
-                    f"a deflected request needs a chunk schedule summing to its {request.prompt_tokens} "
-                    f"prompt tokens, got {request.chunk_schedule}"
-                )
+            check_schedule(request)
             extra[SCHEDULE_KEY] = list(request.chunk_schedule)
             if self.guard:
                 extra[GUARD_KEY] = self.guard
@@ -470,11 +487,13 @@ class VllmEngine:
                     last = i == len(ids) - 1
                     finished = output.finished and last
                     breakdown = None
+                    cached = 0
                     if index == 0:
                         self._uncommit(rid)
                         waited = time.time() - submitted
                         if handoff is None:  # prefilled here, in chunks
                             breakdown = TTFTBreakdown(prefill_exec_s=waited)
+                            cached = output.num_cached_tokens or 0
                         else:
                             breakdown = TTFTBreakdown(
                                 earlier.prefill_queue_s, earlier.prefill_exec_s, earlier.kv_transfer_s, waited
@@ -490,6 +509,7 @@ class VllmEngine:
                             breakdown=breakdown,
                             logprobs=_entries(logprobs[i]) if logprobs else (),
                             stop_reason=completion.stop_reason if finished else None,
+                            cached_tokens=cached,
                         )
                     )
                     index += 1
@@ -517,6 +537,8 @@ class VllmEngine:
                 view, pinned_kv=self.kv.held, kv_usage=self._kv_usage, healthy=not self._unhealthy
             )
         kv_tokens = sum(self._active.values())
+        # a committed deflection's hit, as the router planned it: its prompt beyond its schedule
+        cached = tuple(self._active.get(rid, 0) - sum(schedule) for rid, schedule in self._committed.items())
         decode = DecodeNodeView(
             self.node_id,
             batch_size=len(self._active) - len(self._committed),
@@ -524,6 +546,7 @@ class VllmEngine:
             free_kv_tokens=max(0, self.kv_capacity_tokens - kv_tokens),
             committed=tuple(self._committed.values()),
             head_prefilled_tokens=self._deflect_prefilled if self._committed else 0,
+            committed_cached_tokens=cached if any(cached) else (),
         )
         return self.reporter.state(
             decode,

@@ -20,6 +20,13 @@ tokens computed so far, which the chunk attends over: Eq. 4's chi * P;
 the router planned shrinks the chunk; where nothing fits, one token goes, so
 the request still moves.
 
+With vLLM's prefix cache, the schedule covers the prompt beyond the hit the
+router counted on this node; it runs from vLLM's own hit (the tokens it found
+cached when it admitted the request). Where the two differ (blocks evicted
+meanwhile, or a hit the router did not know of), the schedule's leading
+chunks cover what is left, and any remainder runs as one more chunk
+(``nodes.covering``, as in the simulator), the guard re-checking each.
+
 ``chunk_log`` keeps, per request with a schedule, one ``(prefill tokens, other
 requests decoding)`` pair per step it prefilled in: the record that shows the
 plan was followed and interleaved with the running batch.
@@ -37,6 +44,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from kairos_ray.core import StepLatencyModel
 from kairos_ray.core.sweep import largest_safe_chunk
 from kairos_ray.engines.vllm_args import GUARD_KEY, SCHEDULE_KEY
+from kairos_ray.nodes import covering
 
 
 def next_chunk(schedule: Sequence[int], computed_tokens: int) -> int | None:
@@ -69,13 +77,17 @@ class ChunkScheduleScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.chunk_log: dict[str, list[tuple[int, int]]] = {}
+        self._hit: dict[str, int] = {}  # request id with a schedule -> tokens vLLM found cached when it admitted it
 
     def _deflected(self) -> tuple[str, int] | None:
         """(request id, next chunk) of the first request still prefilling per a schedule."""
         for request in itertools.chain(self.running, self.waiting):
             schedule = schedule_of(request)
             if schedule and request.num_computed_tokens < request.num_prompt_tokens:
-                chunk = next_chunk(schedule, request.num_computed_tokens)
+                hit = self._hit.get(request.request_id, 0)  # 0 before admission: its first chunk is the plan's
+                chunk = next_chunk(
+                    covering(schedule, request.num_prompt_tokens - hit), request.num_computed_tokens - hit
+                )
                 if chunk is not None:
                     return request.request_id, self._guarded(request, chunk)
         return None
@@ -115,8 +127,15 @@ class ChunkScheduleScheduler(Scheduler):
             config.long_prefill_token_threshold, self.max_num_scheduled_tokens, self.adaptive_long_prefill_threshold = (
                 saved
             )
+        for new in output.scheduled_new_reqs:  # admitted in this step: its prefix-cache hit is what it starts from
+            if schedule_of(self.requests[new.req_id]):
+                self._hit[new.req_id] = new.num_computed_tokens
         scheduled = output.num_scheduled_tokens.get(request_id)
         if scheduled:
             decoding = sum(1 for rid, n in output.num_scheduled_tokens.items() if rid != request_id and n == 1)
             self.chunk_log.setdefault(request_id, []).append((scheduled, decoding))
         return output
+
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        self._hit.pop(request.request_id, None)
+        return super()._free_request(request, *args, **kwargs)

@@ -28,6 +28,13 @@ Failures (the failure model of ``docs/architecture.md``):
 What the engines did not time (routing, RPCs, queues in the serving path)
 counts as waiting before the prefill starts, so the breakdown adds up to the
 TTFT seen here.
+
+Prefix identity: each decision request carries the prompt's chained block
+hashes (``core.prefix.block_ids``, as vLLM's KV events name blocks) for each
+block size the router's last reply named, hashed here rather than in the
+single router replica. Prompts without token ids (text prompts to emulated
+engines) and salted ones (``cache_salt``, which vLLM hashes in as an extra
+key) carry none: the router prices them cache-blind.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray.serve.handle import DeploymentHandle
 
-from kairos_ray.core import Route
+from kairos_ray.core import Route, block_ids
 from kairos_ray.messages import DecisionRequest, EngineRequest, KVHandoff, RoutingReply, TokenEvent, TTFTBreakdown
 from kairos_ray.serve.metrics import IngressMetrics
 from kairos_ray.serve.mux import RequestKey, StreamFailed, TokenMux
@@ -69,6 +76,7 @@ class RouteTaken:
     ttft_s: float  # at the ingress
     breakdown: TTFTBreakdown  # adds up to ttft_s
     attempts: int = 1  # tries it took to the first token
+    cached_tokens: int = 0  # prompt tokens the prefilling node's prefix cache held (not computed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,14 +191,26 @@ class Dispatcher:
         self.decisions = DecisionBatcher(RouterLink(router))
         self.limits = limits
         self.metrics = metrics
+        self.block_tokens: tuple[int, ...] = ()  # block sizes of the nodes' prefix caches, as the router last said
 
     def run(self, request: EngineRequest) -> RequestRun:
         return RequestRun(self, request)
 
+    def block_ids(self, request: EngineRequest) -> dict[int, tuple[int, ...]]:
+        """The prompt's block hashes per block size the nodes cache with (empty: no prefix identity)."""
+        ids = request.prompt_token_ids
+        if not ids or request.cache_salt is not None:
+            return {}
+        return {size: block_ids(ids, size) for size in self.block_tokens}
+
     async def decide(self, request: EngineRequest, avoid: tuple[str, ...]) -> RoutingReply:
-        wanted = DecisionRequest(request.request_id, request.prompt_tokens, request.max_tokens, avoid)
+        wanted = DecisionRequest(
+            request.request_id, request.prompt_tokens, request.max_tokens, avoid, self.block_ids(request)
+        )
         try:
             reply = await asyncio.wait_for(self.decisions.decide(wanted), self.limits.decision_timeout_s)
+            if not reply.fallback:
+                self.block_tokens = reply.block_tokens
         except Exception as exc:  # whatever keeps the router from answering: disaggregate, counted
             logger.warning("router could not decide (%s: %s); disaggregating", type(exc).__name__, exc)
             reply = RoutingReply.fallback_for(type(exc).__name__)
@@ -309,6 +329,7 @@ class RequestRun:
             ttft_s=ttft_s,
             breakdown=breakdown,
             attempts=self.attempts,
+            cached_tokens=handoff.cached_tokens if handoff else first.cached_tokens,
         )
 
     def _abandon(self, failed: _NodeFailed) -> None:

@@ -171,7 +171,7 @@ class ResponseOptions:
 class PreparedRequest:
     """A valid request: its prompt as the engines will see it, its sampling parameters, its response's options."""
 
-    prompt_token_ids: tuple[int, ...]  # empty with emulated engines
+    prompt_token_ids: tuple[int, ...]  # empty with emulated engines unless the prompt is token ids
     prompt_tokens: int  # what the router prices
     prompt_text: str  # the prompt's text (echo, return_prompt_text; "" when unknown)
     max_tokens: int  # as vLLM's server resolves it (up to the context when the request leaves it out)

@@ -42,6 +42,7 @@ def route_headers(route: RouteTaken) -> dict[str, str]:
         ),
         "x-kairos-reason": route.reason,
         "x-kairos-fallback": "1" if route.fallback else "0",
+        "x-kairos-cached-tokens": str(route.cached_tokens),  # prompt tokens the prefilling node's cache held
     }
 
 
@@ -63,6 +64,7 @@ def route_field(route: RouteTaken) -> dict[str, Any]:
         },
         "reason": route.reason,
         "fallback": route.fallback,
+        "cached_tokens": route.cached_tokens,
     }
 
 

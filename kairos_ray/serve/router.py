@@ -18,6 +18,16 @@ for ``node_timeout_s`` (engines send a heartbeat every second when idle), or
 at once when they report themselves unhealthy (their engine died or stalled).
 A request that failed on some nodes is decided without them (``avoid``).
 
+Prefix caches: the router keeps a ``core.BlockCache`` per node, mirrored from
+the deltas its reports carry (``PrefixDelta``: vLLM's KV events, or an
+emulated node's cache), and dropped with the node. A decision reads each
+node's hit for the request's block hashes (``DecisionRequest.block_ids``,
+hashed by the ingress with the block sizes the router's replies name) into
+``core.PrefixHits`` for the policy, which prices only each node's uncached
+suffix. The ledger needs nothing more: ``apply_decision`` charges the
+decision's uncached part only. A report lost in between (a gap in a node's
+``seq``) drops that node's mirror until its next full delta.
+
 ``RouterActor`` holds it, with metrics and the online refit of the
 step-latency model, behind plain Ray actor calls; ``Router`` is the Serve
 deployment (one replica) that owns that actor, watches it and hands out its
@@ -30,7 +40,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +48,18 @@ import ray
 from ray import serve
 
 from kairos_ray.config import KairosConfig
-from kairos_ray.core import ClusterView, Decision, DecodeNodeView, Policy, PrefillNodeView, Route, apply_decision
-from kairos_ray.messages import DecisionRequest, NodeState, RouterLive, RoutingReply
+from kairos_ray.core import (
+    BlockCache,
+    ClusterView,
+    Decision,
+    DecodeNodeView,
+    Policy,
+    PrefillNodeView,
+    PrefixHits,
+    Route,
+    apply_decision,
+)
+from kairos_ray.messages import DecisionRequest, NodeState, PrefixDelta, RouterLive, RoutingReply
 from kairos_ray.serve.metrics import RouterMetrics
 from kairos_ray.serve.refit import OnlineRefit
 
@@ -84,6 +104,9 @@ class RouterState:
         self._pending_at: dict[str, dict[int, _Pending]] = {}  # node id -> the ledger entries that touch it
         self._view: ClusterView | None = None  # reports + ledger, while nothing changed but decisions
         self._stale: set[str] = set()  # nodes whose part of ``_view`` must be rebuilt
+        self.caches: dict[str, BlockCache] = {}  # node id -> mirror of its prefix cache
+        self._next_seq: dict[str, int] = {}  # node id -> the ``PrefixDelta.seq`` its mirror expects next
+        self.block_tokens: tuple[int, ...] = ()  # the mirrors' block sizes (the ingress hashes prompts with them)
 
     def report(self, state: NodeState, now: float) -> None:
         """Take a node's report; a node that reports itself unhealthy leaves the view at once."""
@@ -93,6 +116,7 @@ class RouterState:
         if not state.healthy:
             self.states.pop(node, None)
             self.received.pop(node, None)
+            self._drop_cache(node)
             self._view = None
             return
         if node not in self.states:
@@ -100,10 +124,45 @@ class RouterState:
         self.states[node] = state
         self.received[node] = now
         self._stale.add(node)
+        if state.prefix is not None:
+            self._mirror(node, state.prefix)
+
+    def _mirror(self, node: str, prefix: PrefixDelta) -> None:
+        """Apply a node's prefix-cache delta; a lost one (a gap in ``seq``) drops the mirror until a full one."""
+        cache = self.caches.get(node)
+        if prefix.delta.full:
+            if cache is None or cache.block_tokens != prefix.block_tokens:
+                cache = self.caches[node] = BlockCache(prefix.block_tokens)
+                self._sizes_changed()
+        elif cache is None or self._next_seq.get(node) != prefix.seq:
+            self._drop_cache(node)
+            return
+        cache.apply(prefix.delta)
+        self._next_seq[node] = prefix.seq + 1
+
+    def _drop_cache(self, node: str) -> None:
+        self._next_seq.pop(node, None)
+        if self.caches.pop(node, None) is not None:
+            self._sizes_changed()
+
+    def _sizes_changed(self) -> None:
+        self.block_tokens = tuple(sorted({cache.block_tokens for cache in self.caches.values()}))
+
+    def hits(self, block_ids: Mapping[int, tuple[int, ...]], prompt_tokens: int) -> PrefixHits | None:
+        """Each node's cached prefix of a prompt with these block hashes (None: the prompt has no identity)."""
+        if not block_ids:
+            return None
+        tokens = {}
+        for node, cache in self.caches.items():
+            hashes = block_ids.get(cache.block_tokens)
+            if hashes:
+                tokens[node] = cache.cached_tokens(hashes, prompt_tokens)
+        return PrefixHits(tokens)
 
     def forget_silent_nodes(self, now: float) -> None:
         for node in [n for n, seen in self.received.items() if now - seen > self.node_timeout_s]:
             del self.states[node], self.received[node]
+            self._drop_cache(node)
             self._view = None
 
     def _drop(self, rid: int) -> None:
@@ -164,11 +223,20 @@ class RouterState:
         return view, now - min(self.received.values())
 
     def decide(
-        self, request_id: int, prompt_tokens: int, output_tokens: int, now: float, avoid: Collection[str] = ()
+        self,
+        request_id: int,
+        prompt_tokens: int,
+        output_tokens: int,
+        now: float,
+        avoid: Collection[str] = (),
+        block_ids: Mapping[int, tuple[int, ...]] | None = None,
     ) -> tuple[Decision, float]:
-        """(decision, staleness) on the nodes not in ``avoid``; raises ``MissingState`` while a pool has none."""
+        """(decision, staleness) on the nodes not in ``avoid``; raises ``MissingState`` while a pool has none.
+
+        ``block_ids``: the prompt's block hashes per block size, for the nodes' cached prefixes (``hits``).
+        """
         view, staleness = self.view(now, avoid)
-        decision = self.policy.decide(prompt_tokens, view)
+        decision = self.policy.decide(prompt_tokens, view, self.hits(block_ids or {}, prompt_tokens))
         self._drop(request_id)  # a retry replaces its request's earlier entry
         self._add(request_id, _Pending(prompt_tokens, output_tokens, decision, now))
         if not self._stale and self._view is not None:
@@ -217,14 +285,14 @@ class RouterActor:
             start = time.perf_counter()
             try:
                 decision, staleness = self.state.decide(
-                    r.request_id, r.prompt_tokens, r.output_tokens, time.monotonic(), r.avoid
+                    r.request_id, r.prompt_tokens, r.output_tokens, time.monotonic(), r.avoid, r.block_ids
                 )
             except MissingState as exc:
                 replies.append(RoutingReply.fallback_for(str(exc)))
                 continue
             decision_s = time.perf_counter() - start
             self.metrics.decided(decision, decision_s, staleness)
-            replies.append(RoutingReply(decision, decision_s, staleness))
+            replies.append(RoutingReply(decision, decision_s, staleness, block_tokens=self.state.block_tokens))
         return replies
 
     def report(self, state: NodeState) -> None:
@@ -255,6 +323,11 @@ class RouterActor:
         self.state.forget_silent_nodes(now)
         states = {node: (state, self.state.received[node]) for node, state in self.state.states.items()}
         return self.metrics.window.live(self.state.policy.spec, states, now)
+
+    def prefix_hits(self, block_ids: dict[int, tuple[int, ...]], prompt_tokens: int) -> dict[str, int]:
+        """Each node's cached prefix of such a prompt, as the router's mirrors hold it (for tests and debugging)."""
+        hits = self.state.hits(block_ids, prompt_tokens)
+        return dict(hits.tokens_by_node) if hits else {}
 
     def snapshot(self) -> dict[str, NodeState]:
         """The last state of every live node (for tests and debugging)."""
@@ -299,6 +372,10 @@ class Router:
     async def live(self) -> RouterLive:
         live: RouterLive = await self.actor.live.remote()
         return live
+
+    async def prefix_hits(self, block_ids: dict[int, tuple[int, ...]], prompt_tokens: int) -> dict[str, int]:
+        hits: dict[str, int] = await self.actor.prefix_hits.remote(block_ids, prompt_tokens)
+        return hits
 
     async def snapshot(self) -> dict[str, NodeState]:
         states: dict[str, NodeState] = await self.actor.snapshot.remote()

@@ -80,8 +80,9 @@ def _words(text: str) -> int:
     return len(text.split())
 
 
-def _emulated_prompt(request: OpenAIRequest) -> tuple[int, str]:
-    """(prompt tokens, prompt text) as emulated engines count them."""
+def _emulated_prompt(request: OpenAIRequest) -> tuple[int, str, tuple[int, ...]]:
+    """(prompt tokens, prompt text, token ids) as emulated engines count them; ids only for a token-id prompt
+    (its prefix identity: ``serve.dispatch``)."""
     if isinstance(request, ChatCompletionRequest):
         count = 0
         for message in request.messages:
@@ -91,14 +92,14 @@ def _emulated_prompt(request: OpenAIRequest) -> tuple[int, str]:
             elif isinstance(content, list):
                 count += sum(_words(str(part.get("text", ""))) for part in content)
             count += TEMPLATE_TOKENS_PER_MESSAGE
-        return count, ""
+        return count, "", ()
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
         prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        return len(prompt), ""
+        return len(prompt), "", tuple(prompt)
     text = prompt if isinstance(prompt, str) else str(prompt[0]) if prompt else ""
-    return _words(text), text
+    return _words(text), text, ()
 
 
 def _requested_max_tokens(request: OpenAIRequest) -> int | None:
@@ -183,7 +184,9 @@ class Preprocessor:
         engine_input: Any = None
         if self.renderer is None:
             count = _emulated_prompt
-            prompt_tokens, prompt_text = await asyncio.to_thread(count, request) if off_loop else count(request)
+            prompt_tokens, prompt_text, prompt_ids = (
+                await asyncio.to_thread(count, request) if off_loop else count(request)
+            )
         else:
             engine_input = await self._render(request)
             prompt_ids = tuple(engine_input["prompt_token_ids"])

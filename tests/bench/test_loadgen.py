@@ -3,7 +3,16 @@
 import numpy as np
 import pytest
 
-from kairos_ray.bench.loadgen import PROMPT_BASE, PROMPT_IDS, BenchResult, _tokens_per_event, prompt_ids, token_gaps
+from kairos_ray.bench.loadgen import (
+    PROMPT_BASE,
+    PROMPT_IDS,
+    BenchResult,
+    Conversations,
+    _tokens_per_event,
+    prompt_ids,
+    token_gaps,
+)
+from kairos_ray.workloads.multiturn import multiturn
 
 
 def test_tokens_of_one_event_share_its_arrival():
@@ -33,3 +42,29 @@ def test_no_two_requests_prompts_begin_alike():
     prompt = prompt_ids(7, 1200)
     assert len(prompt) == 1200 and all(PROMPT_BASE <= t < PROMPT_BASE + PROMPT_IDS for t in prompt)
     assert prompt_ids(7, 1) == [PROMPT_BASE + 7]
+
+
+def test_a_conversation_s_next_turn_holds_the_last_turn_s_prompt_and_the_answer_the_server_gave():
+    workload = multiturn(rps=1.0, num_requests=300, seed=3)
+    talks = Conversations(workload.block_tokens)
+    requests = workload.requests
+    # two turns of one conversation: the later one's blocks begin with all of the earlier one's
+    first, second = next(
+        (a, b)
+        for i, a in enumerate(requests)
+        for b in requests[i + 1 :]
+        if len(a.block_hashes) > 64 and b.block_hashes[: len(a.block_hashes)] == a.block_hashes
+    )
+    other = next(r for r in requests if r.block_hashes[64:65] != first.block_hashes[64:65])
+    prompt = talks.prompt(0, first)
+    assert len(prompt) == first.prompt_tokens and all(PROMPT_BASE <= t < PROMPT_BASE + PROMPT_IDS for t in prompt)
+    assert talks.prompt(1, other)[:1024] == prompt[:1024]  # the shared system prompt, token for token
+    assert talks.prompt(1, other)[1024:1040] != prompt[1024:1040]  # then each conversation its own
+    answer = [7] * first.output_tokens  # what the server generated
+    before = talks.prompt(1, second)
+    talks.answered(first, prompt + answer)
+    history = prompt + answer
+    full = len(history) // workload.block_tokens * workload.block_tokens
+    after = talks.prompt(1, second)
+    assert after[:full] == history[:full] != before[:full]  # the answer's blocks as the server sent them
+    assert len(after) == second.prompt_tokens

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kairos_ray.core import BlockCache, PrefixHits, block_hashes
+from kairos_ray.core import BlockCache, JournaledBlockCache, PrefixHits, block_hashes, block_ids
 from kairos_ray.core.prefix import NONE_HASH, hash_block_tokens
 
 # vLLM 0.32: init_none_hash(sha256); hash_block_tokens(sha256, None, range(16)), then chained with range(16, 32)
@@ -79,6 +79,57 @@ def test_the_cache_mirrors_vllms_kv_events():
     assert mirror.cached_tokens([1, 2, 3], 100) == 16
     mirror.clear()  # AllBlocksCleared
     assert len(mirror) == 0
+
+
+def test_ids_are_vllms_int_kv_event_hashes():
+    tokens = list(range(64))
+    ids = block_ids(tokens, 16)
+    # vLLM's maybe_convert_block_hash: int.from_bytes(hash, "big") & (2**64 - 1)
+    assert ids == tuple(int.from_bytes(h, "big") & (2**64 - 1) for h in block_hashes(tokens, 16))
+
+
+def _mirrored(node: JournaledBlockCache, mirror: BlockCache) -> bool:
+    delta = node.take()
+    if delta is not None:
+        mirror.apply(delta)
+    return set(mirror._holders) == set(node._holders)
+
+
+def test_a_journal_s_deltas_keep_a_mirror_equal_to_the_node_s_cache():
+    node, mirror = JournaledBlockCache(16), BlockCache(16)
+    first = node.take()
+    assert first is not None and first.full and first.stored == ()  # the first report starts the mirror over
+    assert node.take() is None  # nothing changed since
+    node.pin([1, 2, 3])
+    node.unpin([1, 2, 3])
+    assert _mirrored(node, mirror)
+    node.trim(1)  # 3 and 2 evicted: unpin freed the tail first
+    node.store([2, 9])  # 2 comes back, 9 is new
+    node.remove([9])  # and goes again before any report: never reported
+    delta = node.take()
+    assert delta is not None and not delta.full and 9 not in delta.stored + delta.removed
+    mirror.apply(delta)
+    assert set(mirror._holders) == set(node._holders)
+    node.remove([1])
+    node.store([1])  # out and back in within one report: the mirror still ends up holding it
+    node.remove([1])
+    assert _mirrored(node, mirror) and len(mirror) == len(node)
+
+
+def test_a_cleared_cache_reports_in_full_and_a_full_take_restarts_a_mirror():
+    node, mirror = JournaledBlockCache(16), BlockCache(16)
+    node.store([1, 2])
+    assert _mirrored(node, mirror)
+    node.clear()
+    node.store([5])
+    delta = node.take()
+    assert delta is not None and delta.full and delta.stored == (5,)
+    mirror.apply(delta)
+    assert set(mirror._holders) == {5}
+    stale = BlockCache(16)  # a mirror that lost reports
+    stale.store([7])
+    stale.apply(node.take(full=True) or pytest.fail("a full take always answers"))
+    assert set(stale._holders) == {5}
 
 
 def test_hits_name_nodes():

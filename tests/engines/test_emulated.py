@@ -12,15 +12,16 @@ import pytest
 import ray
 
 from kairos_ray.config import KairosConfig, resolve_profile
-from kairos_ray.core import DecodeNodeView, PrefillNodeView
+from kairos_ray.core import BlockCache, DecodeNodeView, PrefillNodeView, block_ids
 from kairos_ray.emulation import ClusterHardware
 from kairos_ray.engines import EngineOptions, NodeSpec, build_engine
-from kairos_ray.engines.emulated import EmulatedEngine, token_id
+from kairos_ray.engines.emulated import BLOCK_TOKENS, EmulatedEngine, token_id
 from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role
 
 PROFILE = str(resolve_profile("a100-deepseek-v2-lite"))
 HARDWARE = ClusterHardware.from_profile(PROFILE)
 KV_SCALE = 1000
+PROMPT = tuple(range(3000))  # a prompt given as token ids: its blocks have an identity
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -166,3 +167,35 @@ def test_a_consumer_that_falls_behind_gets_the_ready_tokens_together():
     items = asyncio.run(scenario())
     assert [e.index for ready in items for e in ready] == list(range(40))  # each token once, in order
     assert len(items[0]) == 1 and len(items[1]) > 1  # one message for what was ready, not one per token
+
+
+def test_a_decode_node_reports_its_cache_and_the_next_turn_computes_only_its_new_suffix():
+    async def scenario():
+        states = []
+        decode = engine(Role.DECODE, states)
+        await decode.start()
+        try:
+            first = EngineRequest(11, 3000, 65, time.time(), chunk_schedule=(2048, 952), prompt_token_ids=PROMPT)
+            answer = tuple(e.token_id for e in await collect(decode, first, None))
+            history = PROMPT + answer[:-1]  # every token whose KV the node computed
+            turn = (*history, *range(500, 600))
+            second = EngineRequest(12, len(turn), 5, time.time(), chunk_schedule=(512,), prompt_token_ids=turn)
+            events = await collect(decode, second, None)
+            return history, events, states
+        finally:
+            await decode.shutdown()
+
+    history, events, states = asyncio.run(scenario())
+    mirror = BlockCache(BLOCK_TOKENS)
+    seqs = []
+    for state in states:
+        if state.prefix is not None:
+            assert state.prefix.block_tokens == BLOCK_TOKENS
+            seqs.append(state.prefix.seq)
+            mirror.apply(state.prefix.delta)
+    assert seqs == list(range(len(seqs))) and len(seqs) > 1
+    cached = len(history) // BLOCK_TOKENS * BLOCK_TOKENS  # the first turn's prompt and answer, in whole blocks
+    assert mirror.cached_tokens(block_ids(history, BLOCK_TOKENS), len(history) + 1) == cached
+    assert events[0].cached_tokens == cached
+    chunks = [step.chunk_tokens for s in states for step in s.steps if step.chunk_tokens]
+    assert chunks == [2048, 952, len(history) + 100 - cached]  # the second turn: only what the cache lacked

@@ -13,6 +13,7 @@ from ray import serve
 from ray.serve._private.api import serve_start
 from ray.serve.schema import ServeDeploySchema
 
+from kairos_ray.core import block_ids
 from kairos_ray.serve import build_app, use_cluster_env
 
 MODEL = "deepseek-v2-lite"
@@ -90,6 +91,19 @@ def running_app(
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def wait_for_prefix(node: str, prompt: list[int], block_tokens: int, tokens: int, within_s: float = 30) -> None:
+    """Wait until the router's mirror of ``node``'s prefix cache holds ``tokens`` leading tokens of ``prompt``."""
+    router = serve.get_deployment_handle("Router", app_name="kairos")
+    ids = {block_tokens: block_ids(prompt, block_tokens)}
+    deadline, hits = time.monotonic() + within_s, {}
+    while time.monotonic() < deadline:
+        hits = router.prefix_hits.remote(ids, len(prompt)).result()
+        if hits.get(node, 0) >= tokens:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"the router's mirrors hold {hits} tokens of the prompt, not {tokens} on {node}")
 
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "cluster" / "grafana" / "kairos-dashboard.json"

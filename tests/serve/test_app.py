@@ -16,11 +16,11 @@ import pytest
 from ray import serve
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kairos_ray.engines.emulated import VOCAB, token_id
+from kairos_ray.engines.emulated import BLOCK_TOKENS, VOCAB, token_id
 from kairos_ray.messages import Role
 from kairos_ray.serve import build_app
 
-from .conftest import MODEL, app_args, dashboard_series, wait_for_series
+from .conftest import MODEL, app_args, dashboard_series, wait_for_prefix, wait_for_series
 
 
 def completion(url, **body):
@@ -70,7 +70,8 @@ def test_completion_reports_route_nodes_and_breakdown(live_app):
 def test_a_burst_takes_both_routes(live_app):
     url, _ = live_app
 
-    responses = at_once(url, 12, prompt=list(range(8000)), max_tokens=8)
+    # no earlier prompt begins like this one: the nodes' prefix caches hold none of it
+    responses = at_once(url, 12, prompt=list(range(100_000, 108_000)), max_tokens=8)
     assert all(r.status_code == 200 for r in responses)
     routes = {r.headers["x-kairos-route"] for r in responses}
     assert routes == {"prefill", "deflect"}
@@ -82,6 +83,23 @@ def test_a_burst_takes_both_routes(live_app):
         else:
             assert kairos["chunk_schedule"] == [] and kairos["prefill_node"].startswith("prefill-")
             assert kairos["breakdown"]["kv_transfer_s"] > 0.0
+
+
+def test_a_conversation_s_next_turn_is_deflected_to_the_decode_node_holding_its_history(live_app):
+    url, _ = live_app
+    prompt = list(range(200_000, 203_000))
+    first = completion(url, prompt=prompt, max_tokens=256, return_token_ids=True)
+    holder = first.headers["x-kairos-decode-node"]
+    history = prompt + first.json()["choices"][0]["token_ids"]
+    turn = history + list(range(300_000, 300_100))  # the history, then the next message
+    cached = (len(history) - 1) // BLOCK_TOKENS * BLOCK_TOKENS  # all but the last answer token's KV, whole blocks
+    wait_for_prefix(holder, turn, BLOCK_TOKENS, cached)
+    second = completion(url, prompt=turn, max_tokens=8)
+    assert second.status_code == 200
+    kairos = second.json()["kairos"]
+    assert (kairos["route"], kairos["decode_node"]) == ("deflect", holder), kairos["reason"]
+    assert sum(kairos["chunk_schedule"]) == len(turn) - cached  # priced and run as the uncached suffix
+    assert int(second.headers["x-kairos-cached-tokens"]) == kairos["cached_tokens"] == cached
 
 
 def test_openai_client_streams_and_not(live_app):

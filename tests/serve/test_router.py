@@ -1,10 +1,12 @@
 """The router's state keeping, without Serve: nodes join and leave, the ledger shows undelivered decisions."""
 
+from dataclasses import replace
+
 import pytest
 
 from kairos_ray.config import KairosConfig
-from kairos_ray.core import DecodeNodeView, PrefillNodeView, Route
-from kairos_ray.messages import NodeState
+from kairos_ray.core import CacheDelta, DecodeNodeView, PrefillNodeView, Route, block_ids
+from kairos_ray.messages import NodeState, PrefixDelta
 from kairos_ray.serve.router import MissingState, RouterState
 
 
@@ -119,3 +121,69 @@ def test_the_view_rebuilt_node_by_node_equals_one_rebuilt_whole_through_reports_
             router._view = None
             assert router.view(now=now)[0] == kept
     assert len(router.pending) > 0 and any(len(entries) for entries in router._pending_at.values())
+
+
+def prefix(seq, stored=(), removed=(), full=False, block_tokens=16):
+    return PrefixDelta(block_tokens, seq, CacheDelta(full, tuple(stored), tuple(removed)))
+
+
+def kairos_router():
+    return RouterState(KairosConfig().build_policy("kairos"), node_timeout_s=5.0)
+
+
+HISTORY = tuple(range(1000, 1000 + 2048))  # a conversation's turns so far: 128 blocks of 16
+PROMPT = (*HISTORY, *range(40))  # its next turn: the history and a new message
+
+
+def test_the_router_mirrors_each_node_s_cache_from_the_deltas_its_reports_carry():
+    router = kairos_router()
+    ids = block_ids(PROMPT, 16)
+    router.report(replace(decode_state("d0"), prefix=prefix(0, full=True)), now=0.0)
+    router.report(replace(decode_state("d0"), prefix=prefix(1, stored=ids[:128])), now=0.1)
+    assert router.hits({16: ids}, len(PROMPT)).tokens_by_node == {"d0": 2048}
+    router.report(replace(decode_state("d0"), prefix=prefix(2, removed=ids[64:65])), now=0.2)
+    assert router.hits({16: ids}, len(PROMPT)).at("d0") == 64 * 16  # the chain breaks at the removed block
+    router.report(replace(decode_state("d0"), prefix=prefix(3, stored=ids[:8], full=True)), now=0.3)
+    assert router.hits({16: ids}, len(PROMPT)).at("d0") == 8 * 16  # cleared, then 8 blocks stored
+    assert router.block_tokens == (16,)
+    assert router.hits({}, len(PROMPT)) is None  # a prompt without identity: priced cache-blind
+
+
+def test_a_lost_report_drops_the_mirror_until_the_next_full_delta():
+    router = kairos_router()
+    ids = block_ids(PROMPT, 16)
+    router.report(replace(decode_state("d0"), prefix=prefix(0, stored=ids[:128], full=True)), now=0.0)
+    router.report(replace(decode_state("d0"), prefix=prefix(2, removed=ids[:1])), now=0.1)  # seq 1 never came
+    assert router.hits({16: ids}, len(PROMPT)).at("d0") == 0 and router.block_tokens == ()
+    router.report(replace(decode_state("d0"), prefix=prefix(3, stored=ids[1:4])), now=0.2)
+    assert router.hits({16: ids}, len(PROMPT)).at("d0") == 0  # still waiting for a full one
+    router.report(replace(decode_state("d0"), prefix=prefix(4, stored=ids[:128], full=True)), now=0.3)
+    assert router.hits({16: ids}, len(PROMPT)).at("d0") == 2048
+
+
+def test_a_node_that_leaves_or_reports_itself_unhealthy_drops_its_cache():
+    router = kairos_router()
+    ids = block_ids(PROMPT, 16)
+    for node in ("d0", "d1"):
+        router.report(replace(decode_state(node), prefix=prefix(0, stored=ids[:128], full=True)), now=0.0)
+    router.report(replace(decode_state("d0"), healthy=False), now=1.0)
+    router.report(decode_state("d1"), now=1.0)
+    assert router.hits({16: ids}, len(PROMPT)).tokens_by_node == {"d1": 2048}
+    router.forget_silent_nodes(now=7.0)
+    assert router.hits({16: ids}, len(PROMPT)).tokens_by_node == {} and router.block_tokens == ()
+
+
+def test_a_turn_goes_to_the_node_holding_its_history_priced_by_its_uncached_suffix():
+    router = kairos_router()
+    ids = block_ids(PROMPT, 16)
+    router.report(prefill_state("p0", []), now=0.0)
+    router.report(decode_state("d0", batch=8), now=0.0)
+    router.report(replace(decode_state("d1", batch=8), prefix=prefix(0, stored=ids[:128], full=True)), now=0.0)
+    cold, _ = router.decide(1, len(PROMPT), 10, now=0.1)  # no hashes: the whole prompt priced
+    decision, _ = router.decide(2, len(PROMPT), 10, now=0.1, block_ids={16: ids})
+    assert decision.route is Route.DEFLECT and decision.decode_node == "d1"
+    assert decision.cached_prompt_tokens == 2048 and sum(decision.chunk_schedule) == len(PROMPT) - 2048
+    assert cold.route is Route.PREFILL  # priced whole, the same prompt is disaggregated
+    view, _ = router.view(now=0.2)  # the ledger charges the uncached suffix only
+    d1 = next(n for n in view.decode if n.node_id == "d1")
+    assert d1.committed[-1] == decision.chunk_schedule and d1.committed_cached_tokens[-1] == 2048

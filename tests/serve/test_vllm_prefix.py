@@ -1,0 +1,55 @@
+"""Prefix-aware routing on real vLLM CPU engines: ``serve_configs/2p2d-cpu.yaml`` as shipped (the Kairos policy).
+
+The engines publish their KV cache events to their actors, which report the
+changes to the router (``engines.vllm_events``); the ingress hashes each
+prompt as vLLM does. A conversation's next turn, whose prompt is the last
+turn's prompt, its answer and a new message, must then be deflected by the
+router's own decision to the decode node that served the last turn, priced
+and run as the uncached suffix, and vLLM must find the history cached there.
+"""
+
+import random
+
+import httpx
+import pytest
+
+from tests.serve.conftest import running_app, wait_for_prefix
+from tests.serve.test_args import args_of
+
+MODEL = "tiny-llama"
+BLOCK_TOKENS = 128  # vLLM's block size on the CPU
+VOCAB = 1024  # the tiny model's
+
+
+@pytest.fixture(scope="module")
+def shipped_app():
+    """The shipped 2P2D CPU app (base URL, metrics URL)."""
+    with running_app(args_of("2p2d-cpu.yaml"), MODEL, ready_within_s=420) as urls:
+        yield urls
+
+
+def completion(url: str, prompt: list[int], max_tokens: int) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_a_conversation_s_next_turn_goes_to_the_decode_node_holding_its_history(shipped_app):
+    url, _ = shipped_app
+    rng = random.Random(16)
+    prompt = rng.choices(range(VOCAB), k=600)
+    first = completion(url, prompt, max_tokens=200)
+    holder = first.headers["x-kairos-decode-node"]
+    history = prompt + first.json()["choices"][0]["token_ids"]
+    turn = history + rng.choices(range(VOCAB), k=60)  # the history, then the next message
+    cached = (len(history) - 1) // BLOCK_TOKENS * BLOCK_TOKENS  # the KV of all but the last answer token
+    assert cached >= 5 * BLOCK_TOKENS
+    wait_for_prefix(holder, turn, BLOCK_TOKENS, cached)
+    second = completion(url, turn, max_tokens=8)
+    kairos = second.json()["kairos"]
+    assert (kairos["route"], kairos["decode_node"]) == ("deflect", holder), kairos["reason"]
+    assert not kairos["fallback"]
+    assert sum(kairos["chunk_schedule"]) == len(turn) - cached  # priced and run as the uncached suffix
+    assert int(second.headers["x-kairos-cached-tokens"]) == cached  # vLLM's own hit on that node
