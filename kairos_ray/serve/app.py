@@ -1,0 +1,105 @@
+"""``build_app``: the Kairos-Ray Serve application's wiring (imported lazily through ``kairos_ray.serve``)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from typing import Any
+
+from ray.serve import Application
+
+from kairos_ray.config import KairosConfig
+from kairos_ray.serve.args import AppArgs, PoolConfig
+from kairos_ray.serve.engine_server import EngineServer
+from kairos_ray.serve.ingress import Ingress
+from kairos_ray.serve.router import Router
+
+CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+"""Serve's HTTP proxy takes each response's items from the ingress over Serve's gRPC transport: a streamed item
+costs a fraction of the CPU of a Ray streaming-generator item (``docs/live-path-performance.md``)."""
+
+
+def use_cluster_env() -> None:
+    """Put ``CLUSTER_ENV`` in this process's environment (where not set already), for the Ray it starts."""
+    for name, value in CLUSTER_ENV.items():
+        os.environ.setdefault(name, value)
+
+
+def pool_options(role: str, pool: PoolConfig, kairos: KairosConfig) -> dict[str, Any]:
+    """The Serve options of the pool's deployment: a replica per node, routed per call to the chosen node."""
+    deployment = pool.deployment_config
+    actor: dict[str, Any] = {"num_cpus": 0, **deployment.ray_actor_options}
+    if pool.runtime_env:
+        actor["runtime_env"] = {**actor.get("runtime_env", {}), **pool.runtime_env}
+    options: dict[str, Any] = {
+        "name": deployment.name or role,
+        "ray_actor_options": actor,
+        "request_router_config": {"request_router_class": "kairos_ray.serve.delivery:ChosenNodeRouter"},
+        **deployment.serve_options(),
+    }
+    if pool.engine == "vllm":
+        placement = pool.placement()
+        options["placement_group_bundles"] = [dict(b) for b in placement.bundles]
+        options["placement_group_strategy"] = placement.strategy
+    elif pool.accelerator_type:
+        actor["accelerator_type"] = pool.accelerator_type
+    scaling = pool.autoscaling
+    if scaling is None:
+        options.update(deployment.replicas())
+    else:
+        options["autoscaling_config"] = {
+            "min_replicas": scaling.min_replicas,
+            "max_replicas": scaling.max_replicas,
+            "initial_replicas": deployment.num_replicas or scaling.min_replicas,
+            "look_back_period_s": scaling.look_back_period_s,
+            # KairosPoolPolicy applies its own hold times and cooldown: Serve should act on its answer at once.
+            "upscale_delay_s": 0.0,
+            "downscale_delay_s": 0.0,
+            "policy": {
+                "policy_function": "kairos_ray.serve.autoscaling:KairosPoolPolicy",
+                "policy_kwargs": {
+                    "role": role,
+                    "ttft_slo_s": kairos.slo.ttft_s,
+                    **scaling.model_dump(exclude={"min_replicas", "max_replicas", "look_back_period_s"}),
+                },
+            },
+        }
+    return options
+
+
+def _pool(
+    role: str,
+    pool: PoolConfig,
+    kairos: KairosConfig,
+    kairos_args: dict[str, Any],
+    serving: dict[str, Any],
+    router: Application,
+    app_secret: bytes,
+) -> Application:
+    """One deployment for the pool."""
+    options = pool_options(role, pool, kairos)
+    if pool.engine == "vllm" and pool.placement().gpu:  # vLLM's workers go into the GPU bundles, as Ray Serve LLM's
+        pool = pool.model_copy(update={"engine_kwargs": {"distributed_executor_backend": "ray", **pool.engine_kwargs}})
+    pool_args = pool.model_dump(mode="json", exclude_unset=True)
+    return EngineServer.options(**options).bind(role, kairos_args, serving, router, pool_args, app_secret)
+
+
+def build_app(args: AppArgs | dict[str, Any]) -> Application:
+    """The application for ``serve run`` / ``serve.run``; ``args`` as in ``kairos_ray.serve.args``."""
+    args = AppArgs.model_validate(args) if isinstance(args, dict) else args
+    kairos = args.kairos.model_dump(mode="json")
+    serving = args.serving.model_dump(mode="json")
+    router = Router.bind(kairos, args.serving.refit_every_steps)
+    secret = secrets.token_bytes(32)  # this application's engines prove it to each other (KV channel pairs)
+    decode = args.decode_config
+    vllm = decode.engine == "vllm"  # the ingress renders prompts as the decode engines will see them
+    ingress = Ingress.options(**args.ingress_deployment_config) if args.ingress_deployment_config else Ingress
+    return ingress.bind(
+        router,
+        _pool("prefill", args.prefill_config, args.kairos, kairos, serving, router, secret),
+        _pool("decode", decode, args.kairos, kairos, serving, router, secret),
+        decode.model_loading_config.model_id,
+        serving,
+        decode.model_loading_config.source if vllm else None,
+        decode.vllm_engine_kwargs() if vllm else None,  # its tokenizer and served name included
+    )
