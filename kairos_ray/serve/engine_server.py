@@ -131,10 +131,7 @@ class EngineServer:
             outbox.fail(key, f"{type(exc).__name__}: {exc}")
 
     def _outbox(self, listener: str) -> Outbox:
-        outbox = self._outboxes.get(listener)
-        if outbox is None:
-            outbox = self._outboxes[listener] = Outbox()
-        return outbox
+        return self._outboxes.setdefault(listener, Outbox())
 
     async def cancel(self, request_id: int, attempt: int, node: str | None = None) -> None:
         """The request's client went away (or it moved on): stop generating it here."""

@@ -9,8 +9,10 @@ handle, which Serve answers once the new replica is up. A hung actor makes
 calls time out at the caller's deadline; the replica's health check then
 replaces it, and the calls fail fast from there on.
 
-Reports are fire and forget (``report``): one sent while the link is down
-waits, the latest only, until the handle comes.
+Reports are fire and forget (``report``), sent in order: those made while
+the link is down wait, in order, until the handle comes (the last
+``UNSENT_REPORTS`` of them: a prefix-cache delta lost beyond that makes the
+router drop that node's mirror until its next full delta).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ logger = logging.getLogger("ray.serve")
 RouterHandle = Any
 """A Ray actor handle to ``serve.router.RouterActor`` (Ray's handles are not typed by their class)."""
 
+UNSENT_REPORTS = 1024  # reports kept while the link is down (each carries its prefix-cache delta)
 FETCH_TIMEOUT_S = 30.0  # how long asking the Router replica for its actor's handle may take (a replica starting)
 
 
@@ -44,7 +47,7 @@ class RouterLink:
         self.fetch_timeout_s = fetch_timeout_s
         self._actor: RouterHandle | None = None
         self._fetching: asyncio.Task[RouterHandle] | None = None
-        self._unsent: NodeState | None = None  # the latest report made while the link was down
+        self._unsent: deque[NodeState] = deque(maxlen=UNSENT_REPORTS)  # reports made while the link was down
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_flight: deque[ObjectRef[None]] = deque(maxlen=32)  # the last reports stay referenced while sent
 
@@ -59,9 +62,8 @@ class RouterLink:
     async def _fetch(self) -> RouterHandle:
         actor: RouterHandle = await asyncio.wait_for(self.router.handle.remote(), self.fetch_timeout_s)
         self._actor = actor
-        if self._unsent is not None:
-            state, self._unsent = self._unsent, None
-            self._send(actor, state)
+        while self._unsent:
+            self._send(actor, self._unsent.popleft())
         return actor
 
     def lost(self, actor: RouterHandle) -> None:
@@ -79,7 +81,7 @@ class RouterLink:
         return replies
 
     def report(self, state: NodeState) -> None:
-        """Send a node's state without waiting; while the link is down, keep the latest and fetch the handle.
+        """Send a node's state without waiting; while the link is down, keep it and fetch the handle.
 
         Call from the event loop the link was first used on, or from any
         thread once ``bind`` named that loop.
@@ -87,7 +89,7 @@ class RouterLink:
         if self._actor is not None:
             self._send(self._actor, state)
             return
-        self._unsent = state
+        self._unsent.append(state)
         loop = self._loop or asyncio.get_running_loop()
         loop.call_soon_threadsafe(self._fetch_in_background)
 

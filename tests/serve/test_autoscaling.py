@@ -117,9 +117,10 @@ def test_sustained_burst_adds_a_prefill_replica_and_quiet_removes_it(node_groups
     async def run():
         responses = []
         async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-            body = {"model": MODEL, "prompt": list(range(8000)), "max_tokens": 4}
             sending, grown, deadline = [], None, time.monotonic() + 120
             while grown is None and time.monotonic() < deadline:  # 6 long prompts a second, until it grows
+                # each its own first token: no prompt is in the prefill nodes' prefix caches
+                body = {"model": MODEL, "prompt": [len(sending), *range(1, 8000)], "max_tokens": 4}
                 sending.append(asyncio.ensure_future(client.post("/v1/completions", json=body)))
                 await asyncio.sleep(1 / 6)
                 if len(sending) % 6 == 0:
