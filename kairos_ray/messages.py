@@ -11,7 +11,7 @@ frozen structs, every field commented, units in the names.
 | ``TokenBatch`` | decode node -> ingress replica (one subscription each) | ``serve.mux.Outbox`` |
 | ``NodeState`` (``StepRecord`` s, ``PrefixDelta``) | engine node -> router | ``engines.reporting.StateReporter`` |
 | ``DecisionRequest`` | ingress -> router | ``serve.dispatch`` (batched per event-loop tick) |
-| ``RoutingReply`` | router -> ingress | ``serve.router.Router.decide_many`` (or the ingress's fallback) |
+| ``RoutingReply`` | router -> ingress | ``serve.router.RouterActor.decide_many`` (or the ingress's fallback) |
 | ``RouterLive`` (a ``NodeLive`` per node) | router -> ingress | ``serve.live.RouterWindow`` |
 | ``LiveState`` (with a ``ServiceLive``) | ingress -> ``kairos top`` (JSON) | ``serve.live`` |
 

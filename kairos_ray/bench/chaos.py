@@ -21,7 +21,9 @@ Faults: ``decode-engine-kill`` and ``prefill-engine-kill`` (``kill -9`` of a
 node's vLLM engine core; of the replica process for emulated engines),
 ``engine-stop`` (``SIGSTOP`` of a decode engine for ``--stop-s``, then
 ``SIGCONT``), ``decode-replica-kill``, ``prefill-replica-kill`` and
-``router-kill`` (``ray.kill`` of the replica), ``kv-peer-kill`` (a prefill
+``router-kill`` (``ray.kill`` of the replica), ``router-stop`` (``SIGSTOP``
+of the router's actor for ``--stop-s``, then ``SIGCONT`` if Serve has not
+replaced it by then), ``kv-peer-kill`` (a prefill
 replica killed while it sends KV over the channel; vLLM apps with
 ``serving.kv_channel``), and ``client-wave`` (clients that give up before
 their first token). It runs on the app's host, connected to its Ray cluster.
@@ -56,6 +58,7 @@ FAULTS = (
     "decode-replica-kill",
     "prefill-replica-kill",
     "router-kill",
+    "router-stop",
     "kv-peer-kill",
     "client-wave",
 )
@@ -188,6 +191,13 @@ class Chaos:
         if fault == "router-kill":
             await asyncio.to_thread(faults.kill_replica, self.app, "Router")
             return "ray.kill Router"
+        if fault == "router-stop":
+            pid = await asyncio.to_thread(lambda: faults.replica_pid(faults.router_actor(self.app)))
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(self.stop_s)
+            with contextlib.suppress(ProcessLookupError):  # gone with its replica, which Serve replaced
+                os.kill(pid, signal.SIGCONT)
+            return f"SIGSTOP {pid} (the router's actor) for {self.stop_s:g} s"
         if fault == "client-wave":
             async with httpx.AsyncClient(base_url=self.url, timeout=0.3) as client:
                 waves = [self._give_up(client) for _ in range(16)]
@@ -291,7 +301,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=40, help="requests per fault")
     parser.add_argument("--context", type=int, default=4096, help="clip prompt + output to this many tokens")
     parser.add_argument("--fault-at-s", type=float, default=3.0, help="seconds into the replay to inject")
-    parser.add_argument("--stop-s", type=float, default=15.0, help="how long engine-stop keeps the engine stopped")
+    parser.add_argument(
+        "--stop-s", type=float, default=15.0, help="how long engine-stop and router-stop keep their process stopped"
+    )
     parser.add_argument("--hang-s", type=float, default=180.0, help="a request with no complete answer by then hung")
     parser.add_argument("--seed", type=int, default=1)
 

@@ -70,3 +70,10 @@ def kill_engine(app: str, node_id: str) -> int:
 def kill_replica(app: str, node_id: str) -> None:
     """``ray.kill`` of a node's replica (Serve starts a new one)."""
     ray.kill(replica(app, node_id), no_restart=True)
+
+
+def router_actor(app: str) -> Any:
+    """The ``RouterActor`` that the app's ``Router`` replica owns (decisions and reports go to it)."""
+    from ray import serve
+
+    return serve.get_deployment_handle("Router", app_name=app).handle.remote().result(timeout_s=60)

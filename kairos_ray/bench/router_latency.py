@@ -1,20 +1,20 @@
-"""The router's live decision latency and ceiling, through real Serve handles, as the ingress calls it.
+"""The router's live decision latency and ceiling, through the router's actor, as the ingress and engines call it.
 
     python -m kairos_ray.bench.router_latency --rps 4 --decisions 120 --seconds 10
 
 Starts a local Ray and Serve with one ``Router`` replica (the app's own
-deployment) whose view four engine nodes (2 prefill, 2 decode, seeded busy
-states from ``kairos_ray.scenarios``) keep fresh with reports at the engines'
-rate, then:
+deployment) and reaches its ``RouterActor`` through a ``RouterLink``, as the
+ingress and the engines do. Four engine nodes (2 prefill, 2 decode, seeded
+busy states from ``kairos_ray.scenarios``) keep its view fresh with reports
+at the engines' rate, each acknowledging the decisions sent to it since its
+last report, as engines do when they take a request. Then:
 
 - latency: decisions sent open loop at ``--rps``, each timed from the call to
-  its reply (p50, p99), with the reports going on (each acknowledging the
-  decisions made since the previous one, as engines do when they take a
-  request);
+  its reply (p50, p99);
 - ceiling: ``--callers`` concurrent callers, each sending its next decision
   as soon as the last is answered, for ``--seconds``; decisions per second,
-  one call per decision and in batches of ``--batch`` (``Router.decide_many``,
-  as the ingress batches the decisions of one event-loop tick).
+  one call per decision and in batches of ``--batch`` (``decide_many``, as
+  the ingress batches the decisions of one event-loop tick).
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ from ray import serve
 
 from kairos_ray.config import KairosConfig
 from kairos_ray.core import DecodeNodeView, PrefillNodeView
-from kairos_ray.messages import DecisionRequest, NodeState
+from kairos_ray.messages import DecisionRequest, NodeState, RoutingReply
 from kairos_ray.scenarios import prompt_tokens, random_view
 from kairos_ray.serve.router import Router
+from kairos_ray.serve.router_link import RouterLink
 
 
 def node_states(seed: int) -> list[NodeState]:
@@ -46,30 +47,35 @@ def node_states(seed: int) -> list[NodeState]:
     return [NodeState(v, "bench", time.time()) for v in views]
 
 
-DECIDED: list[int] = []  # request ids decided since the last report: the next one acknowledges them
+DECIDED: dict[str, list[int]] = {}  # node id -> request ids sent to it since its last report
 
 
-async def keep_reporting(router: object, states: list[NodeState], interval_s: float) -> None:
-    """Each node reports every ``interval_s``; the first one of a round acknowledges the decisions made since."""
+async def keep_reporting(link: RouterLink, states: list[NodeState], interval_s: float) -> None:
+    """Each node reports every ``interval_s``, acknowledging the decisions sent to it since its last report."""
     while True:
-        taken, DECIDED[:] = tuple(DECIDED), []
-        for i, state in enumerate(states):
-            report = replace(state, wall_s=time.time(), accepted_request_ids=taken if i == 0 else ())
-            router.report.remote(report)  # type: ignore[attr-defined]
+        for state in states:
+            taken = DECIDED.pop(state.node_id, [])
+            link.report(replace(state, wall_s=time.time(), accepted_request_ids=tuple(taken)))
         await asyncio.sleep(interval_s)
 
 
-async def latency(router: object, rps: float, count: int, seed: int) -> list[float]:
+def decided(replies: list[RoutingReply], requests: list[DecisionRequest]) -> None:
+    for reply, request in zip(replies, requests, strict=True):
+        node = reply.decision.prefill_node or reply.decision.decode_node
+        DECIDED.setdefault(node or "", []).append(request.request_id)
+
+
+async def latency(link: RouterLink, rps: float, count: int, seed: int) -> list[float]:
     rng = random.Random(seed)
     ids = itertools.count(1 << 40)
     times: list[float] = []
 
     async def one() -> None:
         start = time.perf_counter()
-        rid = next(ids)
-        await router.decide.remote(DecisionRequest(rid, prompt_tokens(rng), 256))  # type: ignore[attr-defined]
+        requests = [DecisionRequest(next(ids), prompt_tokens(rng), 256)]
+        replies = await link.decide_many(requests)
         times.append(time.perf_counter() - start)
-        DECIDED.append(rid)
+        decided(replies, requests)
 
     tasks = []
     for _ in range(count):
@@ -79,7 +85,7 @@ async def latency(router: object, rps: float, count: int, seed: int) -> list[flo
     return times
 
 
-async def ceiling(router: object, callers: int, seconds: float, batch: int, seed: int) -> float:
+async def ceiling(link: RouterLink, callers: int, seconds: float, batch: int, seed: int) -> float:
     rng = random.Random(seed)
     ids = itertools.count(1 << 41)
     done = 0
@@ -89,11 +95,7 @@ async def ceiling(router: object, callers: int, seconds: float, batch: int, seed
         nonlocal done
         while time.monotonic() < deadline:
             requests = [DecisionRequest(next(ids), prompt_tokens(rng), 256) for _ in range(batch)]
-            if batch == 1:
-                await router.decide.remote(requests[0])  # type: ignore[attr-defined]
-            else:
-                await router.decide_many.remote(requests)  # type: ignore[attr-defined]
-            DECIDED.extend(r.request_id for r in requests)
+            decided(await link.decide_many(requests), requests)
             done += batch
 
     start = time.monotonic()
@@ -117,14 +119,16 @@ def main(argv: list[str] | None = None) -> int:
         router = serve.run(app, name="router-bench", route_prefix=None)
 
         async def run() -> None:
-            reporting = asyncio.create_task(keep_reporting(router, node_states(args.seed), args.report_interval_s))
+            link = RouterLink(router)
+            await link.actor()
+            reporting = asyncio.create_task(keep_reporting(link, node_states(args.seed), args.report_interval_s))
             await asyncio.sleep(1.0)
-            times = await latency(router, args.rps, args.decisions, args.seed)
+            times = await latency(link, args.rps, args.decisions, args.seed)
             p50, p99 = np.percentile(np.array(times) * 1e3, [50, 99])
             print(f"latency at {args.rps:g} decisions/s, {len(times)} decisions: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
-            single = await ceiling(router, args.callers, args.seconds, 1, args.seed)
+            single = await ceiling(link, args.callers, args.seconds, 1, args.seed)
             print(f"ceiling, one decision per call, {args.callers} callers: {single:,.0f} decisions/s")
-            batched = await ceiling(router, args.callers, args.seconds, args.batch, args.seed)
+            batched = await ceiling(link, args.callers, args.seconds, args.batch, args.seed)
             print(f"ceiling, {args.batch} decisions per call, {args.callers} callers: {batched:,.0f} decisions/s")
             print(f"median of the latency run: {1e3 * statistics.median(times):.2f} ms")
             reporting.cancel()

@@ -31,9 +31,9 @@ __all__ = ["CLUSTER_ENV", "build_app", "pool_options", "use_cluster_env"]
 def __getattr__(name: str) -> Any:
     """The application's names, imported on first use (``serve.app``).
 
-    The router's and the engines' replicas import their own modules, which
+    The router's actor and replica import ``kairos_ray.serve.router``, which
     must not pull in the ingress (vLLM's OpenAI protocol: seconds of import on
-    every start of such a process).
+    every start of a router process).
     """
     if name in __all__:
         from kairos_ray.serve import app

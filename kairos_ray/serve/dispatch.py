@@ -53,6 +53,7 @@ from kairos_ray.core import Route, block_ids
 from kairos_ray.messages import DecisionRequest, EngineRequest, KVHandoff, RoutingReply, TokenEvent, TTFTBreakdown
 from kairos_ray.serve.metrics import IngressMetrics
 from kairos_ray.serve.mux import RequestKey, StreamFailed, TokenMux
+from kairos_ray.serve.router_link import RouterLink
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -135,14 +136,14 @@ class _NodeFailed(Exception):
 
 
 class DecisionBatcher:
-    """Asks the router for the decisions wanted in one event-loop tick in one call (``Router.decide_many``).
+    """Asks the router for the decisions wanted in one event-loop tick in one call (``RouterActor.decide_many``).
 
     It never waits to batch: the call goes at the end of the tick in which the
     first decision was wanted, with whatever else that tick wanted too.
     """
 
-    def __init__(self, router: DeploymentHandle) -> None:
-        self.router = router.options(_by_reference=False)  # by value over Serve's gRPC transport (serve.mux)
+    def __init__(self, router: RouterLink) -> None:
+        self.router = router
         self._wanted: list[tuple[DecisionRequest, asyncio.Future[RoutingReply]]] = []
         self._calls: set[asyncio.Task[None]] = set()
 
@@ -162,7 +163,7 @@ class DecisionBatcher:
 
     async def _call(self, wanted: list[tuple[DecisionRequest, asyncio.Future[RoutingReply]]]) -> None:
         try:
-            replies = await self.router.decide_many.remote([request for request, _ in wanted])
+            replies = await self.router.decide_many([request for request, _ in wanted])
         except Exception as exc:  # each caller gets the failure and falls back
             for _, reply in wanted:
                 if not reply.done():
@@ -187,7 +188,7 @@ class Dispatcher:
     ) -> None:
         self.prefill, self.decode = prefill, decode
         self.mux = TokenMux(decode, listener)  # tokens arrive over one subscription per decode node
-        self.decisions = DecisionBatcher(router)
+        self.decisions = DecisionBatcher(RouterLink(router))
         self.limits = limits
         self.metrics = metrics
         self.block_tokens: tuple[int, ...] = ()  # block sizes of the nodes' prefix caches, as the router last said

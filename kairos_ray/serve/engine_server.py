@@ -11,7 +11,6 @@ its engine's state to the router and reports Kairos's autoscaling signals
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,10 +22,11 @@ from kairos_ray.config import KairosConfig, resolve_profile
 from kairos_ray.core import PrefillNodeView
 from kairos_ray.core.estimate import queue_wait_exact_s
 from kairos_ray.engines import NodeSpec, build_engine
-from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role, TokenBatch
+from kairos_ray.messages import EngineRequest, KVHandoff, Role, TokenBatch
 from kairos_ray.serve.args import PoolConfig, ServingConfig
 from kairos_ray.serve.autoscaling import KV_FREE_SHARE, PREFILL_WAIT, TBT_HEADROOM
 from kairos_ray.serve.mux import Outbox, RequestKey
+from kairos_ray.serve.router_link import RouterLink
 
 SUBSCRIPTION_IDLE_S = 2.0  # a token subscription with nothing to carry for this long ends (serve.mux)
 HEALTH_CHECK_PERIOD_S = 2.0  # Serve asks every replica this often whether its engine is healthy
@@ -58,8 +58,8 @@ class EngineServer:
         context = serve.get_replica_context()
         self.node_id = f"{role}-{context.replica_id.unique_id}"
         self.policy = config.build_policy()
-        self.router = router.options(_by_reference=False)  # reports by value over Serve's gRPC transport
-        self._reports: deque[Any] = deque(maxlen=32)
+        self.router = RouterLink(router)
+        self.router.bind(asyncio.get_running_loop())
         self._outboxes: dict[str, Outbox] = {}  # ingress replica -> the tokens waiting for its next item
         self._runs: dict[RequestKey, asyncio.Task[None]] = {}  # (request id, attempt) -> its generation here
         spec = NodeSpec(
@@ -76,14 +76,10 @@ class EngineServer:
             ray_node_id=ray.get_runtime_context().get_node_id(),
             app_name=context.app_name,
             app_secret=app_secret,
-            on_state=self._push,
+            on_state=self.router.report,
         )
         self.engine = build_engine(pool_config.engine, spec)
         await self.engine.start()
-
-    def _push(self, state: NodeState) -> None:
-        # Fire and forget; the last few responses stay referenced while they are in flight.
-        self._reports.append(self.router.report.remote(state))
 
     async def __del__(self) -> None:
         """Serve calls this when it stops the replica."""

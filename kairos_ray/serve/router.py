@@ -28,18 +28,23 @@ suffix. The ledger needs nothing more: ``apply_decision`` charges the
 decision's uncached part only. A report lost in between (a gap in a node's
 ``seq``) drops that node's mirror until its next full delta.
 
-``Router`` is the Serve deployment around it (one replica), with metrics and
-the online refit of the step-latency model.
+``RouterActor`` holds it, with metrics and the online refit of the
+step-latency model, behind plain Ray actor calls; ``Router`` is the Serve
+deployment (one replica) that owns that actor, watches it and hands out its
+handle (``serve.router_link``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import ray
 from ray import serve
 
 from kairos_ray.config import KairosConfig
@@ -59,6 +64,10 @@ from kairos_ray.serve.metrics import RouterMetrics
 from kairos_ray.serve.refit import OnlineRefit
 
 logger = logging.getLogger("ray.serve")
+
+HEALTH_CHECK_PERIOD_S = 2.0  # Serve asks the router replica this often whether its actor answers
+HEALTH_CHECK_TIMEOUT_S = 10.0
+ACTOR_PING_TIMEOUT_S = 5.0  # an actor that does not answer a ping in time is hung: the replica reports unhealthy
 
 
 class MissingState(RuntimeError):
@@ -244,14 +253,16 @@ def _touched(decision: Decision) -> str:
     return node
 
 
-@serve.deployment(
-    num_replicas=1,
-    max_ongoing_requests=4096,
-    ray_actor_options={"num_cpus": 0},
-    logging_config={"enable_access_log": False},  # a log line per report and decision would cost more than both
-)
-class Router:
-    """One replica: every decision goes through it, so it sees every dispatch."""
+class RouterActor:
+    """The router's state, metrics and online refit, behind plain Ray actor calls (one call at a time, in order).
+
+    Ingress replicas and engines call it directly through a ``RouterLink``:
+    a plain actor call costs a fraction of a Serve handle call (no request
+    router in the caller, no user-code thread hop in the callee), and the
+    router takes every decision and report of the cluster. The methods are
+    synchronous, so Ray runs them one after another on the actor's thread: the
+    ledger needs no lock.
+    """
 
     def __init__(self, kairos: dict[str, Any], refit_every_steps: int = 0) -> None:
         self.config = KairosConfig.model_validate(kairos)
@@ -260,22 +271,31 @@ class Router:
         self.metrics = RouterMetrics()
         self.refit = OnlineRefit(refit_every_steps) if refit_every_steps else None
 
-    async def decide(self, request: DecisionRequest) -> RoutingReply:
-        """Decide on the live nodes but those the request avoids (they failed it)."""
-        start = time.perf_counter()
-        r = request
-        decision, staleness = self.state.decide(
-            r.request_id, r.prompt_tokens, r.output_tokens, time.monotonic(), r.avoid, r.block_ids
-        )
-        decision_s = time.perf_counter() - start
-        self.metrics.decided(decision, decision_s, staleness)
-        return RoutingReply(decision, decision_s, staleness, block_tokens=self.state.block_tokens)
+    def ping(self) -> None:
+        """Answers while the actor's thread is free (the ``Router`` replica's health check)."""
 
-    async def decide_many(self, requests: list[DecisionRequest]) -> list[RoutingReply]:
-        """Decide requests one after another, in order, each seeing the ones before in the ledger."""
-        return [await self.decide(request) for request in requests]
+    def decide_many(self, requests: list[DecisionRequest]) -> list[RoutingReply]:
+        """Decide requests in order, each seeing the ones before in the ledger, on the nodes each does not avoid.
 
-    async def report(self, state: NodeState) -> None:
+        A request the router cannot decide yet (a pool has not reported) gets
+        ``RoutingReply.fallback_for`` with the reason, as the ingress would.
+        """
+        replies = []
+        for r in requests:
+            start = time.perf_counter()
+            try:
+                decision, staleness = self.state.decide(
+                    r.request_id, r.prompt_tokens, r.output_tokens, time.monotonic(), r.avoid, r.block_ids
+                )
+            except MissingState as exc:
+                replies.append(RoutingReply.fallback_for(str(exc)))
+                continue
+            decision_s = time.perf_counter() - start
+            self.metrics.decided(decision, decision_s, staleness)
+            replies.append(RoutingReply(decision, decision_s, staleness, block_tokens=self.state.block_tokens))
+        return replies
+
+    def report(self, state: NodeState) -> None:
         self.state.report(state, time.monotonic())
         self.metrics.node(state)
         if self.refit is not None:
@@ -297,19 +317,66 @@ class Router:
             self.state.policy = self.config.build_policy(self.state.policy.spec, model=self.model)
             self.metrics.refits.inc()
 
-    async def live(self) -> RouterLive:
+    def live(self) -> RouterLive:
         """Every live node's last report and the last minute's steps and decisions (``serve.live``)."""
         now = time.monotonic()
         self.state.forget_silent_nodes(now)
         states = {node: (state, self.state.received[node]) for node, state in self.state.states.items()}
         return self.metrics.window.live(self.state.policy.spec, states, now)
 
-    async def prefix_hits(self, block_ids: dict[int, tuple[int, ...]], prompt_tokens: int) -> dict[str, int]:
+    def prefix_hits(self, block_ids: dict[int, tuple[int, ...]], prompt_tokens: int) -> dict[str, int]:
         """Each node's cached prefix of such a prompt, as the router's mirrors hold it (for tests and debugging)."""
         hits = self.state.hits(block_ids, prompt_tokens)
         return dict(hits.tokens_by_node) if hits else {}
 
-    async def snapshot(self) -> dict[str, NodeState]:
+    def snapshot(self) -> dict[str, NodeState]:
         """The last state of every live node (for tests and debugging)."""
         self.state.forget_silent_nodes(time.monotonic())
         return dict(self.state.states)
+
+
+@serve.deployment(
+    num_replicas=1,
+    max_ongoing_requests=1024,
+    ray_actor_options={"num_cpus": 0},
+    health_check_period_s=HEALTH_CHECK_PERIOD_S,
+    health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
+    logging_config={"enable_access_log": False},
+)
+class Router:
+    """The router's Serve deployment (one replica): it owns the ``RouterActor`` and hands out its handle.
+
+    The actor is this replica's child, so it goes when the replica goes; when
+    the actor dies or hangs, the health check fails and Serve replaces the
+    replica, which starts a new one. Callers hold the actor's handle
+    (``serve.router_link``) and ask for it again after a failed call. The
+    methods below forward to the actor for tools and tests.
+    """
+
+    async def __init__(self, kairos: dict[str, Any], refit_every_steps: int = 0) -> None:
+        actor = ray.remote(num_cpus=0, max_restarts=0)(RouterActor)
+        self.actor = actor.options(name=f"kairos-router-{uuid.uuid4().hex[:8]}").remote(kairos, refit_every_steps)
+        await self.actor.ping.remote()  # the replica is ready once its actor is (its process started, config loaded)
+
+    async def handle(self) -> Any:
+        """The ``RouterActor``'s handle."""
+        return self.actor
+
+    async def check_health(self) -> None:
+        await asyncio.wait_for(self.actor.ping.remote(), ACTOR_PING_TIMEOUT_S)
+
+    async def decide_many(self, requests: list[DecisionRequest]) -> list[RoutingReply]:
+        replies: list[RoutingReply] = await self.actor.decide_many.remote(requests)
+        return replies
+
+    async def live(self) -> RouterLive:
+        live: RouterLive = await self.actor.live.remote()
+        return live
+
+    async def prefix_hits(self, block_ids: dict[int, tuple[int, ...]], prompt_tokens: int) -> dict[str, int]:
+        hits: dict[str, int] = await self.actor.prefix_hits.remote(block_ids, prompt_tokens)
+        return hits
+
+    async def snapshot(self) -> dict[str, NodeState]:
+        states: dict[str, NodeState] = await self.actor.snapshot.remote()
+        return states

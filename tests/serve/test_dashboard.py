@@ -64,6 +64,7 @@ def test_ray_list_actors_shows_every_replica(dashboard_app):
     classes = [actor["class_name"] for actor in actors]
     for name, replicas in DEPLOYMENTS.items():
         assert classes.count(f"ServeReplica:kairos:{name}") == replicas, name
+    assert classes.count("RouterActor") == 1  # the Router replica's actor, which ingress and engines call
 
 
 class _TableRows(HTMLParser):

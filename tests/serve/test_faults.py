@@ -7,6 +7,7 @@ same Serve instance requires an API key.
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -196,6 +197,30 @@ def test_the_router_killed_falls_back_and_comes_back(app):
         timeout_s=90,
         what="routing decisions again",
     )
+
+
+def test_a_hung_router_actor_falls_back_within_the_decision_deadline_and_is_replaced(app):
+    url, _ = app
+
+    def fallback() -> str | None:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200
+        return r.headers.get("x-kairos-fallback")
+
+    wait_until(lambda: fallback() == "0", timeout_s=90, what="routing decisions")
+    pid = faults.replica_pid(faults.router_actor("kairos"))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert fallback() == "1"  # the decision deadline passed: plain disaggregation, answered
+        assert time.monotonic() - start < 30
+        # the replica's health check finds the actor hung; Serve replaces the replica and the actor with it
+        wait_until(lambda: fallback() == "0", timeout_s=180, what="decisions from a new router actor")
+        assert faults.replica_pid(faults.router_actor("kairos")) != pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # killed with its replica
+            os.kill(pid, signal.SIGCONT)
 
 
 def test_a_hung_node_past_the_first_token_deadline_answers_504_never_hangs(app):

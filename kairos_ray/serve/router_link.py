@@ -1,0 +1,117 @@
+"""A caller's link to the router: the ``RouterActor``'s handle, fetched through the ``Router`` deployment.
+
+Decisions and reports go to the router as plain Ray actor calls (see
+``serve.router.RouterActor``). The link asks the ``Router`` replica for the
+actor's handle the first time it is needed (within ``fetch_timeout_s``) and
+again after a call on it failed: a dead actor (its replica was replaced)
+raises ``RayActorError`` at once, and the next call fetches the new one's
+handle, which Serve answers once the new replica is up. A hung actor makes
+calls time out at the caller's deadline; the replica's health check then
+replaces it, and the calls fail fast from there on.
+
+Reports are fire and forget (``report``), sent in order: those made while
+the link is down wait, in order, until the handle comes (the last
+``UNSENT_REPORTS`` of them: a prefix-cache delta lost beyond that makes the
+router drop that node's mirror until its next full delta).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from ray import ObjectRef
+from ray.serve.handle import DeploymentHandle
+
+from kairos_ray.messages import DecisionRequest, NodeState, RoutingReply
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+logger = logging.getLogger("ray.serve")
+
+RouterHandle = Any
+"""A Ray actor handle to ``serve.router.RouterActor`` (Ray's handles are not typed by their class)."""
+
+UNSENT_REPORTS = 1024  # reports kept while the link is down (each carries its prefix-cache delta)
+FETCH_TIMEOUT_S = 30.0  # how long asking the Router replica for its actor's handle may take (a replica starting)
+
+
+class RouterLink:
+    """The ``RouterActor``'s handle for one process, with what to do when it fails."""
+
+    def __init__(self, router: DeploymentHandle, fetch_timeout_s: float = FETCH_TIMEOUT_S) -> None:
+        self.router = router
+        self.fetch_timeout_s = fetch_timeout_s
+        self._actor: RouterHandle | None = None
+        self._fetching: asyncio.Task[RouterHandle] | None = None
+        self._unsent: deque[NodeState] = deque(maxlen=UNSENT_REPORTS)  # reports made while the link was down
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._in_flight: deque[ObjectRef[None]] = deque(maxlen=32)  # the last reports stay referenced while sent
+
+    async def actor(self) -> RouterHandle:
+        """The actor's handle, asking the ``Router`` replica for it when there is none (one question at a time)."""
+        if self._actor is not None:
+            return self._actor
+        if self._fetching is None or self._fetching.done():
+            self._fetching = asyncio.get_running_loop().create_task(self._fetch())
+        return await asyncio.shield(self._fetching)
+
+    async def _fetch(self) -> RouterHandle:
+        actor: RouterHandle = await asyncio.wait_for(self.router.handle.remote(), self.fetch_timeout_s)
+        self._actor = actor
+        while self._unsent:
+            self._send(actor, self._unsent.popleft())
+        return actor
+
+    def lost(self, actor: RouterHandle) -> None:
+        """A call on ``actor`` failed: the next call asks for the handle again (unless it was asked already)."""
+        if self._actor is actor:
+            self._actor = None
+
+    async def decide_many(self, requests: list[DecisionRequest]) -> list[RoutingReply]:
+        actor = await self.actor()
+        try:
+            replies: list[RoutingReply] = await actor.decide_many.remote(requests)
+        except Exception:
+            self.lost(actor)
+            raise
+        return replies
+
+    def report(self, state: NodeState) -> None:
+        """Send a node's state without waiting; while the link is down, keep it and fetch the handle.
+
+        Call from the event loop the link was first used on, or from any
+        thread once ``bind`` named that loop.
+        """
+        if self._actor is not None:
+            self._send(self._actor, state)
+            return
+        self._unsent.append(state)
+        loop = self._loop or asyncio.get_running_loop()
+        loop.call_soon_threadsafe(self._fetch_in_background)
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The loop that fetches the handle for reports made from other threads."""
+        self._loop = loop
+
+    def _fetch_in_background(self) -> None:
+        if self._actor is None and (self._fetching is None or self._fetching.done()):
+            self._fetching = asyncio.get_running_loop().create_task(self._fetch())
+            self._fetching.add_done_callback(_log_failed_fetch)
+
+    def _send(self, actor: RouterHandle, state: NodeState) -> None:
+        def sent(future: Future[Any]) -> None:
+            if future.exception() is not None:
+                self.lost(actor)
+
+        sending: ObjectRef[None] = actor.report.remote(state)
+        sending.future().add_done_callback(sent)
+        self._in_flight.append(sending)
+
+
+def _log_failed_fetch(task: asyncio.Task[RouterHandle]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("could not reach the router for reports (%s); the next report tries again", task.exception())
