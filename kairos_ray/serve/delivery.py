@@ -8,11 +8,36 @@ call with no node (a fallback decision), or for a node that is gone (scaled
 down, replaced), may go to any replica but those in the ``avoid`` keyword
 (nodes that failed this request), so no request is lost while replicas come
 and go.
+
+Each call to a pool is made as a request of its own (``apart``). A call made
+inside a Serve request inherits that request's ``internal_request_id``, and
+Serve's request router (Ray 2.60) indexes the calls waiting for a replica by
+that id: of two calls of one request waiting at once on one deployment (a
+``cancel`` to a dead node still being routed when the migration's ``start``
+comes), only the first is indexed. The other can never be given its
+replica, and its routing task loops without yielding, which stalls every
+call of that process's handles.
 """
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def apart(remote: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """``remote(*args, **kwargs)`` (a handle method's ``remote``) outside the current Serve request's context.
+
+    Serve then gives the call an ``internal_request_id`` of its own, and no
+    other call of the same request can hide it from the request router.
+    """
+    return contextvars.Context().run(remote, *args, **kwargs)
 
 
 def replica_of(node_id: str) -> str:

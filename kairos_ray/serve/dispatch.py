@@ -51,6 +51,7 @@ from ray.serve.handle import DeploymentHandle
 
 from kairos_ray.core import Route, block_ids
 from kairos_ray.messages import DecisionRequest, EngineRequest, KVHandoff, RoutingReply, TokenEvent, TTFTBreakdown
+from kairos_ray.serve.delivery import apart
 from kairos_ray.serve.metrics import IngressMetrics
 from kairos_ray.serve.mux import RequestKey, StreamFailed, TokenMux
 from kairos_ray.serve.router_link import RouterLink
@@ -279,7 +280,7 @@ class RequestRun:
             request = dataclasses.replace(request, chunk_schedule=decision.chunk_schedule)
         else:
             request = dataclasses.replace(request, kv_receiver=decision.decode_node or "")
-            call = pools.prefill.prefill.remote(request, node=decision.prefill_node, avoid=avoid)
+            call = apart(pools.prefill.prefill.remote, request, node=decision.prefill_node, avoid=avoid)
             self._calls = [call]
             try:
                 handoff = await call
@@ -293,7 +294,7 @@ class RequestRun:
         mux = pools.mux
         mux.expect(key)
         self._running = key
-        call = pools.decode.start.remote(request, handoff, mux.listener, node=decision.decode_node, avoid=avoid)
+        call = apart(pools.decode.start.remote, request, handoff, mux.listener, node=decision.decode_node, avoid=avoid)
         self._calls.append(call)
         try:
             node: str = await call
@@ -428,7 +429,7 @@ class RequestRun:
     def _release_kv(self) -> None:
         """The decode node has the KV (or will never take it): the prefill node may free it."""
         if self._held is not None:
-            self.dispatcher.prefill.release.remote(self.request.request_id, node=self._held.node_id)
+            apart(self.dispatcher.prefill.release.remote, self.request.request_id, node=self._held.node_id)
             self._held = None
 
     def close(self) -> None:
@@ -438,7 +439,7 @@ class RequestRun:
         self._calls = []
         if self._running is not None:
             request_id, attempt = self._running
-            self.dispatcher.decode.cancel.remote(request_id, attempt, node=self._decode_node)
+            apart(self.dispatcher.decode.cancel.remote, request_id, attempt, node=self._decode_node)
             self.dispatcher.mux.close(self._running)
             self._running = None
         self._queue = None

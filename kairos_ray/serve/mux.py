@@ -26,6 +26,7 @@ import logging
 from typing import Any
 
 from kairos_ray.messages import TokenBatch, TokenEvent
+from kairos_ray.serve.delivery import apart
 
 logger = logging.getLogger("ray.serve")
 
@@ -119,7 +120,8 @@ class TokenMux:
         try:
             # By value over Serve's gRPC transport (a batch holds no object refs): an item costs a fraction of the
             # CPU of a Ray streaming-generator item on both ends.
-            stream = self.decode.options(stream=True, _by_reference=False).subscribe.remote(self.listener, node=node)
+            subscribe = self.decode.options(stream=True, _by_reference=False).subscribe.remote
+            stream = apart(subscribe, self.listener, node=node)
             async for batch in stream:
                 for key, tokens in batch.tokens.items():
                     self._deliver(key, tokens)
