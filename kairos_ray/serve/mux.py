@@ -64,8 +64,8 @@ class Outbox:
             try:
                 async with asyncio.timeout(idle_s):
                     await self._ready.wait()
-            except TimeoutError:
-                if not self.runs:
+            except TimeoutError:  # tokens put as the wait timed out are still taken
+                if not self.runs and not self._ready.is_set():
                     return None
         self._ready.clear()
         batch = TokenBatch(self._tokens, self._failed)
