@@ -22,30 +22,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import ray
 import yaml
 from ray import serve
 
 from kairos_ray.bench.loadgen import replay, wait_until_routed
+from kairos_ray.bench.local import local_serve
 from kairos_ray.bench.serving_cost import cpu_s, own_cpu_s, serving_processes
 from kairos_ray.config import load_config
 from kairos_ray.metrics import summarize
-from kairos_ray.serve import build_app, use_cluster_env
+from kairos_ray.serve import build_app
 from kairos_ray.sim.run import SimSetup, compare_rows
 from kairos_ray.workloads.synthetic import synthetic
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_spies(processes: list[Any], out: Path, seconds: float) -> list[tuple[str, subprocess.Popen[bytes], Path]]:
@@ -98,19 +91,8 @@ def main() -> int:
     app_args = application["args"]
     kairos = load_config(args.config)
     model = app_args["decode_config"]["model_loading_config"]["model_id"]
-    port = free_port()
-    use_cluster_env()
-    ray.init(
-        address="local",
-        num_cpus=2,
-        resources={"prefill_node": 2, "decode_node": 2},
-        include_dashboard=False,
-        log_to_driver=False,
-    )
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve(log_to_driver=False) as url:
         serve.run(build_app(app_args), name="kairos", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
         wait_until_routed(url, model, within_s=600)
         processes = serving_processes("kairos")
         if args.idle:
@@ -145,9 +127,6 @@ def main() -> int:
             for name, spy, path in spies:
                 spy.wait()
                 print(hot_spots(name, path))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     return 0
 
 
