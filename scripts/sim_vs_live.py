@@ -2,19 +2,20 @@
 
     .venv/bin/python scripts/sim_vs_live.py --config serve_configs/2p2d-emulated.yaml --rates 1,2,4
 
-Starts a local Ray and Serve in this process with the config's application
-(emulated engines replay the simulator's timing, so the two should agree),
-replays a synthetic workload at each rate with the load generator, runs the
-simulator on the very same requests, and prints both summaries with the
-ratio of each figure, the rate the load generator achieved, and the CPU the
-serving path spent per streamed token (every Serve process of the app: proxy,
-ingress, router, engine replicas), in all and per process. ``--idle S`` first
-measures each process's CPU per second while no request runs. Ray starts with
-``kairos_ray.serve.CLUSTER_ENV``. With ``--profile DIR``, py-spy samples each
-of those processes during the last rate's replay and the script prints where
-each spent its time (the functions on top of the stacks, and the busiest
-stacks' frames from this project, Ray and asyncio). Everything it started is
-shut down at the end.
+Starts a local Ray and Serve in this process and, for each rate, a fresh
+deployment of the config's application (emulated engines replay the
+simulator's timing, so the two should agree; a fresh app's prefix caches are
+empty, as the simulator's), replays a synthetic workload with the load
+generator, runs the simulator on the very same requests, and prints both
+summaries with the ratio of each figure, the rate the load generator
+achieved, and the CPU the serving path spent per streamed token (every Serve
+process of the app: proxy, ingress, router, engine replicas), in all and per
+process. ``--idle S`` first measures each process's CPU per second while no
+request runs. Ray starts with ``kairos_ray.serve.CLUSTER_ENV``. With
+``--profile DIR``, py-spy samples each of those processes during the last
+rate's replay and the script prints where each spent its time (the functions
+on top of the stacks, and the busiest stacks' frames from this project, Ray
+and asyncio). Everything it started is shut down at the end.
 """
 
 from __future__ import annotations
@@ -92,17 +93,18 @@ def main() -> int:
     kairos = load_config(args.config)
     model = app_args["decode_config"]["model_loading_config"]["model_id"]
     with local_serve(log_to_driver=False) as url:
-        serve.run(build_app(app_args), name="kairos", route_prefix="/")
-        wait_until_routed(url, model, within_s=600)
-        processes = serving_processes("kairos")
-        if args.idle:
-            before = {p: cpu_s(p.pid) for p in processes}
-            time.sleep(args.idle)
-            idle = {p.name: (cpu_s(p.pid) - before[p]) / args.idle for p in processes}
-            print(f"idle: {1e3 * sum(idle.values()):.1f} ms of CPU per second", per_process(idle, 1e3, "ms/s"))
         setup = SimSetup.from_config(kairos, None, 2, 2, args.seed)
         rates = [float(r) for r in args.rates.split(",")]
         for rps in rates:
+            # a fresh app per rate, as the simulator starts: the same prompts would find the last rate's prefix caches
+            serve.run(build_app(app_args), name="kairos", route_prefix="/")
+            wait_until_routed(url, model, within_s=600)
+            processes = serving_processes("kairos")
+            if args.idle and rps == rates[0]:
+                before = {p: cpu_s(p.pid) for p in processes}
+                time.sleep(args.idle)
+                idle = {p.name: (cpu_s(p.pid) - before[p]) / args.idle for p in processes}
+                print(f"idle: {1e3 * sum(idle.values()):.1f} ms of CPU per second", per_process(idle, 1e3, "ms/s"))
             workload = synthetic(args.workload, rps, args.requests, args.seed)
             spies = []
             if args.profile and rps == rates[-1]:
@@ -127,6 +129,7 @@ def main() -> int:
             for name, spy, path in spies:
                 spy.wait()
                 print(hot_spots(name, path))
+            serve.delete("kairos")
     return 0
 
 
