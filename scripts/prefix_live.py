@@ -2,17 +2,18 @@
 
     .venv/bin/python scripts/prefix_live.py --config serve_configs/2p2d-cpu.yaml --rps 1 --requests 40
 
-Starts a local Ray and Serve in this process, deploys the config's
-application once per policy spec (fresh engines, so both start with empty
-prefix caches), replays the same ``multiturn`` conversations with the load
-generator (each turn's prompt holds the last turn's prompt and the answer
-the server gave, ``bench.loadgen.Conversations``) and prints one row per
-policy: P50/P95 TTFT, TBT violations, deflections, and the prompt tokens the
-computing nodes found cached (``x-kairos-cached-tokens``). The default
-conversations are ``workloads.multiturn``'s, shrunk to what a 2-core CPU
-serves in a minute (``--cpu-sized``, on by default): a 512-token system
-prompt, first messages around 256 tokens, later ones around 64, answers
-around 96, 3 s of thinking. Everything it started is shut down at the end.
+Starts a local Ray (with ``kairos_ray.serve.CLUSTER_ENV``) and Serve in this
+process, deploys the config's application once per policy spec (fresh
+engines, so both start with empty prefix caches), replays the same
+``multiturn`` conversations with the load generator (each turn's prompt
+holds the last turn's prompt and the answer the server gave,
+``bench.loadgen.Conversations``) and prints one row per policy: P50/P95
+TTFT, TBT violations, deflections, and the prompt tokens the computing nodes
+found cached (``x-kairos-cached-tokens``). The default conversations are
+``workloads.multiturn``'s, shrunk to what a 2-core CPU serves in a minute
+(``--cpu-sized``, on by default): a 512-token system prompt, first messages
+around 256 tokens, later ones around 64, answers around 96, 3 s of thinking.
+Everything it started is shut down at the end.
 """
 
 from __future__ import annotations
@@ -20,14 +21,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import socket
 from pathlib import Path
 
-import ray
 import yaml
 from ray import serve
 
 from kairos_ray.bench.loadgen import replay, wait_until_routed
+from kairos_ray.bench.local import local_serve
 from kairos_ray.config import load_config
 from kairos_ray.metrics import summarize
 from kairos_ray.serve import build_app
@@ -46,12 +46,6 @@ CPU_SIZED = MultiTurnSpec(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="serve_configs/2p2d-cpu.yaml", help="a Serve config of the app")
@@ -67,18 +61,8 @@ def main() -> int:
     model = application["args"]["decode_config"]["model_loading_config"]["model_id"]
     spec = MULTITURN if args.full_sized else CPU_SIZED
     workload = multiturn(args.rps, args.requests, args.seed, args.context, spec)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     rows = []
-    ray.init(
-        address="local",  # a Ray of its own, even where `ray start` runs another on this machine
-        num_cpus=2,
-        resources={"prefill_node": 2, "decode_node": 2},
-        include_dashboard=False,
-        log_to_driver=False,
-    )
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve(log_to_driver=False) as url:
         for policy in args.policies.split(","):
             app_args = {**application["args"]}
             app_args["kairos"] = {**app_args["kairos"], "policy": {**app_args["kairos"]["policy"], "name": policy}}
@@ -91,9 +75,6 @@ def main() -> int:
             row["cached_pct"] = 100 * sum(cached) / prompt if prompt else math.nan
             rows.append(row)
             serve.delete("kairos")  # the next policy starts on fresh engines, its caches empty
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     print(f"multiturn ({'full' if args.full_sized else 'CPU'}-sized), {args.requests} requests at "
           f"{workload.rate_rps:.2f} req/s, seed {args.seed}, {args.config}")  # fmt: skip
     print("| policy | P50 TTFT (s) | P95 TTFT (s) | TBT viol. % | deflected | failed | prompt cached % "

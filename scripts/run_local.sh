@@ -10,6 +10,7 @@ export PATH="$PWD/.venv/bin:$PATH"
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0   # keep every Ray socket on this machine
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}   # one local cluster on loopback: no token, for every client alike
 export RAY_SERVE_PROXY_USE_GRPC=${RAY_SERVE_PROXY_USE_GRPC:-1}   # kairos_ray.serve.CLUSTER_ENV: set where Ray starts
+export RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=${RAY_SERVE_METRICS_EXPORT_INTERVAL_MS:-1000}   # kairos_ray.serve.CLUSTER_ENV
 URL=http://127.0.0.1:8000
 DASHBOARD=http://127.0.0.1:8265   # Ray's dashboard: its Serve page, and where `serve status` and `ray list` ask
 METRICS=http://127.0.0.1:8080/metrics   # this node's Prometheus metrics (ray_kairos_*, ray_vllm_*)

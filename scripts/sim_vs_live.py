@@ -2,19 +2,20 @@
 
     .venv/bin/python scripts/sim_vs_live.py --config serve_configs/2p2d-emulated.yaml --rates 1,2,4
 
-Starts a local Ray and Serve in this process with the config's application
-(emulated engines replay the simulator's timing, so the two should agree),
-replays a synthetic workload at each rate with the load generator, runs the
-simulator on the very same requests, and prints both summaries with the
-ratio of each figure, the rate the load generator achieved, and the CPU the
-serving path spent per streamed token (every Serve process of the app: proxy,
-ingress, router, engine replicas), in all and per process. ``--idle S`` first
-measures each process's CPU per second while no request runs. Ray starts with
-``kairos_ray.serve.CLUSTER_ENV``. With ``--profile DIR``, py-spy samples each
-of those processes during the last rate's replay and the script prints where
-each spent its time (the functions on top of the stacks, and the busiest
-stacks' frames from this project, Ray and asyncio). Everything it started is
-shut down at the end.
+Starts a local Ray and Serve in this process and, for each rate, a fresh
+deployment of the config's application (emulated engines replay the
+simulator's timing, so the two should agree; a fresh app's prefix caches are
+empty, as the simulator's), replays a synthetic workload with the load
+generator, runs the simulator on the very same requests, and prints both
+summaries with the ratio of each figure, the rate the load generator
+achieved, and the CPU the serving path spent per streamed token (every Serve
+process of the app: proxy, ingress, router, engine replicas), in all and per
+process. ``--idle S`` first measures each process's CPU per second while no
+request runs. Ray starts with ``kairos_ray.serve.CLUSTER_ENV``. With
+``--profile DIR``, py-spy samples each of those processes during the last
+rate's replay and the script prints where each spent its time (the functions
+on top of the stacks, and the busiest stacks' frames from this project, Ray
+and asyncio). Everything it started is shut down at the end.
 """
 
 from __future__ import annotations
@@ -22,30 +23,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import ray
 import yaml
 from ray import serve
 
 from kairos_ray.bench.loadgen import replay, wait_until_routed
+from kairos_ray.bench.local import local_serve
 from kairos_ray.bench.serving_cost import cpu_s, own_cpu_s, serving_processes
 from kairos_ray.config import load_config
 from kairos_ray.metrics import summarize
-from kairos_ray.serve import build_app, use_cluster_env
+from kairos_ray.serve import build_app
 from kairos_ray.sim.run import SimSetup, compare_rows
 from kairos_ray.workloads.synthetic import synthetic
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_spies(processes: list[Any], out: Path, seconds: float) -> list[tuple[str, subprocess.Popen[bytes], Path]]:
@@ -98,29 +92,19 @@ def main() -> int:
     app_args = application["args"]
     kairos = load_config(args.config)
     model = app_args["decode_config"]["model_loading_config"]["model_id"]
-    port = free_port()
-    use_cluster_env()
-    ray.init(
-        address="local",
-        num_cpus=2,
-        resources={"prefill_node": 2, "decode_node": 2},
-        include_dashboard=False,
-        log_to_driver=False,
-    )
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(app_args), name="kairos", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        wait_until_routed(url, model, within_s=600)
-        processes = serving_processes("kairos")
-        if args.idle:
-            before = {p: cpu_s(p.pid) for p in processes}
-            time.sleep(args.idle)
-            idle = {p.name: (cpu_s(p.pid) - before[p]) / args.idle for p in processes}
-            print(f"idle: {1e3 * sum(idle.values()):.1f} ms of CPU per second", per_process(idle, 1e3, "ms/s"))
+    with local_serve(log_to_driver=False) as url:
         setup = SimSetup.from_config(kairos, None, 2, 2, args.seed)
         rates = [float(r) for r in args.rates.split(",")]
         for rps in rates:
+            # a fresh app per rate, as the simulator starts: the same prompts would find the last rate's prefix caches
+            serve.run(build_app(app_args), name="kairos", route_prefix="/")
+            wait_until_routed(url, model, within_s=600)
+            processes = serving_processes("kairos")
+            if args.idle and rps == rates[0]:
+                before = {p: cpu_s(p.pid) for p in processes}
+                time.sleep(args.idle)
+                idle = {p.name: (cpu_s(p.pid) - before[p]) / args.idle for p in processes}
+                print(f"idle: {1e3 * sum(idle.values()):.1f} ms of CPU per second", per_process(idle, 1e3, "ms/s"))
             workload = synthetic(args.workload, rps, args.requests, args.seed)
             spies = []
             if args.profile and rps == rates[-1]:
@@ -145,9 +129,7 @@ def main() -> int:
             for name, spy, path in spies:
                 spy.wait()
                 print(hot_spots(name, path))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+            serve.delete("kairos")
     return 0
 
 

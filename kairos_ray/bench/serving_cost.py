@@ -35,7 +35,7 @@ class Process:
 
 
 def serving_processes(app: str) -> list[Process]:
-    """The proxy and every replica of ``app`` on this host."""
+    """The proxy (and its child processes) and every replica of ``app`` on this host."""
     named = ray.util.list_named_actors(all_namespaces=True)
     found = []
     for actor in named:
@@ -48,7 +48,10 @@ def serving_processes(app: str) -> list[Process]:
             label = "proxy"
         else:
             continue
-        found.append(Process(label, faults.replica_pid(ray.get_actor(name, namespace="serve"))))
+        pid = faults.replica_pid(ray.get_actor(name, namespace="serve"))
+        found.append(Process(label, pid))
+        if label == "proxy":  # and what it runs: HAProxy in Serve's HAProxy mode
+            found += [Process(f"proxy:{child.name()}", child.pid) for child in psutil.Process(pid).children()]
     return sorted(found, key=lambda p: p.name)
 
 

@@ -2,27 +2,20 @@
 
 import contextlib
 import re
-import socket
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import ray
 from ray import serve
 from ray.serve._private.api import serve_start
 from ray.serve.schema import ServeDeploySchema
 
+from kairos_ray.bench.local import free_port, local_serve
 from kairos_ray.core import block_ids
-from kairos_ray.serve import build_app, use_cluster_env
+from kairos_ray.serve import build_app
 
 MODEL = "deepseek-v2-lite"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def app_args(**serving):
@@ -55,25 +48,12 @@ def running_app(
     The app is ``build_app(args)``, or the Serve config ``config`` deployed as ``serve run config.yaml`` does.
     With ``dashboard_port``, Ray's dashboard listens there on 127.0.0.1.
     """
-    http_port, metrics_port = free_port(), free_port()
-    use_cluster_env()
-    ray.init(
-        address="local",  # a Ray of its own, even where `ray start` runs another on this machine
-        num_cpus=num_cpus,
-        resources={"prefill_node": 2, "decode_node": 2},
-        include_dashboard=dashboard_port is not None,
-        dashboard_host="127.0.0.1",
-        dashboard_port=dashboard_port,
-        _metrics_export_port=metrics_port,
-    )
-    try:
+    metrics_port = free_port()
+    with local_serve(num_cpus=num_cpus, dashboard_port=dashboard_port, metrics_port=metrics_port) as url:
         if config is None:
-            serve.start(http_options={"host": "127.0.0.1", "port": http_port})
             serve.run(build_app(args), name="kairos", route_prefix="/")
         else:
-            client = serve_start(http_options={"host": "127.0.0.1", "port": http_port})
-            client.deploy_apps(ServeDeploySchema.model_validate(config))
-        url = f"http://127.0.0.1:{http_port}"
+            serve_start().deploy_apps(ServeDeploySchema.model_validate(config))  # the running Serve's client
         deadline = time.monotonic() + ready_within_s
         while time.monotonic() < deadline:  # until every engine has reported to the router
             try:
@@ -88,9 +68,6 @@ def running_app(
         else:
             pytest.fail(f"the app did not come up within {ready_within_s} s")
         yield url, f"http://127.0.0.1:{metrics_port}/metrics"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def wait_for_prefix(node: str, prompt: list[int], block_tokens: int, tokens: int, within_s: float = 30) -> None:

@@ -10,12 +10,13 @@ from pydantic import ValidationError
 from ray import serve
 from ray.cluster_utils import Cluster
 
+from kairos_ray.bench.local import free_port
 from kairos_ray.messages import Role
 from kairos_ray.serve import build_app
 from kairos_ray.serve.args import AppArgs
 from kairos_ray.serve.autoscaling import KV_FREE_SHARE, PREFILL_WAIT, TBT_HEADROOM, KairosPoolPolicy
 
-from .conftest import MODEL, app_args, free_port
+from .conftest import MODEL, app_args
 
 PREFILL = KairosPoolPolicy(
     "prefill", ttft_slo_s=4.0, wait_share=0.5, quiet_share=0.1, upscale_after_s=5, downscale_after_s=30, cooldown_s=30

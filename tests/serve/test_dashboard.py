@@ -20,9 +20,10 @@ import httpx
 import pytest
 import yaml
 
+from kairos_ray.bench.local import free_port
 from kairos_ray.messages import LiveState, Role
 
-from .conftest import MODEL, app_args, free_port, running_app
+from .conftest import MODEL, app_args, running_app
 
 BIN = Path(sys.executable).parent
 DEPLOYMENTS = {"Ingress": 1, "Router": 1, "prefill": 2, "decode": 2}  # name -> replicas

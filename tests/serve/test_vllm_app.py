@@ -35,9 +35,10 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
 from kairos_ray.bench import faults
+from kairos_ray.bench.local import free_port
 from kairos_ray.messages import Role
 from kairos_ray.serve.args import AppArgs
-from tests.serve.conftest import free_port, running_app
+from tests.serve.conftest import running_app
 from tests.serve.test_args import args_of
 
 MODEL = "tiny-llama"
