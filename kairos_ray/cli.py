@@ -426,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--seed", type=int, default=0, help="seed of the hold-out split (0)")
     fit.add_argument(
         "--tile-tokens",
-        type=int,
+        type=_positive_int,
         default=1,
         metavar="N",
         help="the engine runs prefill tokens in tiles of N, a partial tile costing a whole one (1: no tiles)",

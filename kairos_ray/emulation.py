@@ -27,9 +27,9 @@ the simulated steps show it. It also adds what the paper's linear Eq. 4 misses,
 taking both from the cluster section, never from the predictor: a predictor's
 own ``c_batch_sq`` and ``tile_tokens`` are its estimate of them (a profile
 that knows this hardware has ``c_batch_sq = c_batch / batch_crowding`` and
-the same tiles, ``tests/test_emulation.py`` checks that the fitter recovers
-them from emulated steps), and the ground truth stays the same whatever the
-predictor knows;
+the same tiles, as the shipped A100 profile does; the fitter finds them in
+emulated steps, ``tests/profiling/test_fit.py``), and the ground truth stays
+the same whatever the predictor knows;
 
 and the simulator multiplies every step by log-normal noise with coefficient
 of variation ``noise_cv``. The ``oracle`` policy decides with the noise-free
