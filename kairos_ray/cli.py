@@ -79,7 +79,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     from kairos_ray.profiling.plot import plot_fit
 
     table = read_table(args.table)
-    result = fit(table, holdout=args.holdout, seed=args.seed)
+    result = fit(table, holdout=args.holdout, seed=args.seed, tile_tokens=args.tile_tokens)
     Path(args.output).write_text(result.model.to_json() + "\n")
     plot = plot_fit(table, result.model, Path(args.plot or Path(args.output).with_suffix(".png")), result.holdout_mape)
     print(
@@ -209,7 +209,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     write_table(args.output, table)
     print(f"profile: {len(table)} grid points (each the median of {args.repeats} steps) written to {args.output}")
     if args.fit:
-        return _cmd_fit(argparse.Namespace(table=args.output, output=args.fit, holdout=0.2, seed=0, plot=None))
+        return _cmd_fit(
+            argparse.Namespace(table=args.output, output=args.fit, holdout=0.2, seed=0, plot=None, tile_tokens=1)
+        )
     return 0
 
 
@@ -422,6 +424,13 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("-o", "--output", required=True, metavar="PROFILE.json", help="where to write the fitted profile")
     fit.add_argument("--holdout", type=_fraction, default=0.2, help="share of steps held out for the MAPE (0.2)")
     fit.add_argument("--seed", type=int, default=0, help="seed of the hold-out split (0)")
+    fit.add_argument(
+        "--tile-tokens",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="the engine runs prefill tokens in tiles of N, a partial tile costing a whole one (1: no tiles)",
+    )
     fit.add_argument("--plot", metavar="FILE.png", help="predicted-vs-measured plot (default: beside the profile)")
     fit.set_defaults(func=_cmd_fit)
 

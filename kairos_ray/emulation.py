@@ -17,12 +17,19 @@ which costs the decode part of the step (``c_kv * K``). It prices that
 attention at ``c_chunk_prefix + c_chunk_kv`` per chunk token per prefix token:
 for a profile in the paper's form (``c_chunk_kv * chi * K``, no prefix term)
 the predictor then prices chunks on a loaded node by KV they never read, and
-the simulated steps show it. It also adds what a linear fit misses,
+the simulated steps show it. It also adds what the paper's linear Eq. 4 misses,
 
 - tile quantisation: prefill tokens go through the linear layers in tiles of
   ``tile_tokens``, so a partial tile costs a whole one (``c_chunk`` per padded token);
 - batch crowding: per-request decode cost grows by ``B / batch_crowding`` as
   the batch fills (``c_batch * B * (1 + B / batch_crowding)``);
+
+taking both from the cluster section, never from the predictor: a predictor's
+own ``c_batch_sq`` and ``tile_tokens`` are its estimate of them (a profile
+that knows this hardware has ``c_batch_sq = c_batch / batch_crowding`` and
+the same tiles, as the shipped A100 profile does; the fitter finds them in
+emulated steps, ``tests/profiling/test_fit.py``), and the ground truth stays
+the same whatever the predictor knows;
 
 and the simulator multiplies every step by log-normal noise with coefficient
 of variation ``noise_cv``. The ``oracle`` policy decides with the noise-free
@@ -39,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kairos_ray.core import StepLatencyModel, StepwiseLatency
+from kairos_ray.core import StepLatencyModel, StepwiseLatency, tiles
 
 
 @dataclass(frozen=True)
@@ -90,9 +97,8 @@ class GroundTruth(StepwiseLatency):
         m = self.model
         seconds = m.c0 + m.c_batch * batch_size * (1 + batch_size / self.crowding) + m.c_kv * kv_tokens
         if chunk_tokens:
-            padded = math.ceil(chunk_tokens / self.tile) * self.tile
             seconds += (
-                m.c_chunk * padded
+                m.c_chunk * tiles(chunk_tokens, self.tile)
                 + chunk_tokens * (m.c_chunk_sq * chunk_tokens + self.c_attention * prefix_tokens)
                 + m.c_prefix * prefix_tokens
             )

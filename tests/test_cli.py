@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from kairos_ray.core import StepLatencyModel
+
 KAIROS = Path(sys.executable).parent / "kairos"
 
 
@@ -82,6 +84,21 @@ def test_fit_writes_a_loadable_profile(tmp_path):
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"  # predicted against measured
     demo = kairos("demo", "--requests", "2", "--config", str(_config_with_profile(tmp_path, out)))
     assert demo.returncode == 0, demo.stderr
+
+
+def test_fit_with_tiles_prices_a_partial_tile_as_a_whole_one(tmp_path):
+    table = tmp_path / "steps.csv"
+    lines = ["batch_size,kv_tokens,chunk_tokens,step_s"]
+    for b in (1, 16, 64, 128):
+        for chi in (0, 100, 129, 256, 700, 1000):
+            lines.append(f"{b},0,{chi},{0.02 + 1e-4 * b + 3e-5 * -(-chi // 128) * 128}")  # 128-token tiles
+    table.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "profile.json"
+    result = kairos("fit", str(table), "-o", str(out), "--tile-tokens", "128")
+    assert result.returncode == 0, result.stderr
+    model = StepLatencyModel.load(out)
+    assert model.tile_tokens == 128 and model.c_chunk == pytest.approx(3e-5, rel=1e-4)
+    assert model.step_s(1, 0, 129) == pytest.approx(0.02 + 1e-4 + 3e-5 * 256, rel=1e-4)
 
 
 def _config_with_profile(tmp_path: Path, profile: Path) -> Path:

@@ -1,9 +1,11 @@
 import json
+from dataclasses import replace
 
 import pytest
 
 from kairos_ray.config import resolve_profile
 from kairos_ray.core import PolicyParams, StepLatencyModel, tbt_safe_schedule
+from kairos_ray.core.policy import chunk_guard
 from kairos_ray.emulation import ClusterHardware, GroundTruth
 
 SHIPPED = resolve_profile("a100-deepseek-v2-lite")
@@ -35,13 +37,47 @@ def test_a_32k_prompt_on_an_idle_node_gets_a_shrinking_schedule():
     assert at_100ms is not None and at_100ms[:2] == (2048, 1024)
 
 
-def test_ground_truth_departs_from_the_predictor():
+def test_ground_truth_has_tiles_and_crowding_and_the_shipped_predictor_knows_them():
     model = StepLatencyModel.load(SHIPPED)
+    hardware = ClusterHardware.from_profile(SHIPPED)
+    truth = GroundTruth(model, hardware)
+    linear = replace(model, c_batch_sq=0.0, tile_tokens=1)  # the profile before: Eq. 4 linear in B and chi
+    assert truth.step_s(0, 0, 128) == pytest.approx(linear.step_s(0, 0, 128))  # a whole tile
+    assert truth.step_s(0, 0, 129) > linear.step_s(0, 0, 129) + 100 * model.c_chunk  # a padded tile
+    assert truth.step_s(200, 0, 0) > linear.step_s(200, 0, 0)  # batch crowding
+    # the shipped predictor describes this hardware: crowding c_batch / batch_crowding, the same tiles
+    assert model.c_batch_sq == pytest.approx(model.c_batch / hardware.batch_crowding)
+    assert model.tile_tokens == hardware.tile_tokens
+    for step in [(0, 0, 129, 0), (200, 0, 0, 0), (125, 600_000, 129, 6000), (64, 300_000, 1000, 3000)]:
+        assert truth.step_s(*step) == pytest.approx(model.step_s(*step))
+
+
+def test_a_deflected_chunk_the_linear_model_let_through_is_now_priced_over_the_budget():
+    """A step of the multiturn run at 14 req/s: a 129-token suffix chunk, 6,000 tokens of cached history, on a
+    decode node with 125 requests and 600K KV tokens. In ms:
+
+        c0 11 + c_batch * B 27.5 + c_kv * K 13.332 + chi^2 0.0501 + chi * P 4.6641
+        + c_chunk * chi: 129 tokens 3.9693 (linear), 256 tokens 7.8771 (two tiles)
+        + c_batch_sq * B^2: 0 (linear), 6.7139 (crowding)
+    """
+    model = StepLatencyModel.load(SHIPPED)
+    linear = replace(model, c_batch_sq=0.0, tile_tokens=1)
+    params = PolicyParams()
+    assert params.tbt_budget_s == pytest.approx(0.063)  # beta * tau
+    step = (125, 600_000, 129, 6000)
+    assert linear.step_s(*step) == pytest.approx(0.0605156, abs=1e-6)  # within the budget: the guard let it run
+    assert model.step_s(*step) == pytest.approx(0.0711373, abs=1e-6)  # over it
     truth = GroundTruth(model, ClusterHardware.from_profile(SHIPPED))
-    assert truth.step_s(0, 0, 128) == pytest.approx(model.step_s(0, 0, 128))  # a whole tile
-    assert truth.step_s(0, 0, 129) > model.step_s(0, 0, 129) + 100 * model.c_chunk  # a padded tile
-    assert truth.step_s(200, 0, 0) > model.step_s(200, 0, 0)  # batch crowding
-    assert truth.step_s(0, 4096, 1024, 4096) == pytest.approx(model.step_s(0, 4096, 1024, 4096))
+    assert truth.step_s(*step) == pytest.approx(model.step_s(*step))  # what the simulated engine takes
+    assert chunk_guard(linear, params)(125, 600_000, 129, 6000) == 129
+    # 64 tokens would still take 11 + 27.5 + 6.7139 + 13.332 + 3.9386 + 0.0123 + 2.3140 = 64.8 ms: nothing fits
+    assert chunk_guard(model, params)(125, 600_000, 129, 6000) == 0
+    # with 100 requests (crowding 4.2969) the decode part is 50.6289 ms; the planned 129 tokens pay two tiles,
+    # 50.6289 + 7.8771 + 0.0501 + 4.6641 = 63.2 ms, one token fewer pays one: 50.6289 + 3.9386 + 0.0494 + 4.6280
+    assert model.step_s(100, 600_000, 129, 6000) == pytest.approx(0.0632202, abs=1e-6)
+    assert model.step_s(100, 600_000, 128, 6000) == pytest.approx(0.0592448, abs=1e-6)
+    assert chunk_guard(model, params)(100, 600_000, 129, 6000) == 128
+    assert chunk_guard(linear, params)(100, 600_000, 129, 6000) == 129
 
 
 def test_ground_truth_prices_a_chunk_by_its_own_prefix_whatever_the_predictors_form():

@@ -11,7 +11,7 @@ from kairos_ray.core.estimate import (
     prefill_ttft_paper_s,
     queue_wait_paper_s,
 )
-from kairos_ray.core.latency import FEATURE_NAMES, StepLatency, StepLatencyModel, StepwiseLatency, features
+from kairos_ray.core.latency import FEATURE_NAMES, StepLatency, StepLatencyModel, StepwiseLatency, features, tiles
 from kairos_ray.core.policy import POLICIES, Guard, Policy, PolicyParams, Thresholds, make_policy, parse_spec
 from kairos_ray.core.prefix import (
     BlockCache,
@@ -57,4 +57,5 @@ __all__ = [
     "prefill_ttft_paper_s",
     "queue_wait_paper_s",
     "tbt_safe_schedule",
+    "tiles",
 ]

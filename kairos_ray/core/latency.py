@@ -6,12 +6,21 @@ B is the decode batch size, K the KV tokens resident on the node, chi the
 prefill tokens injected into the step and P the chunk's own prefix: the tokens
 of the same request prefilled before this chunk (for the i-th chunk of a
 schedule, P = sum_{j<i} chi_j; they are resident too, so K includes them, as
-in Eq. 5's K_n + sum_{j<i} chi_j). The model is linear in eight features, so
+in Eq. 5's K_n + sum_{j<i} chi_j). The model is linear in nine features, so
 it is O(1) to evaluate and can be fitted by ordinary least squares:
 
-    T0(B, K)             = c0 + c_batch * B + c_kv * K
-    dT_pf(B, K, chi, P)  = c_chunk * chi + c_chunk_kv * chi * K + c_chunk_sq * chi**2
+    T0(B, K)             = c0 + c_batch * B + c_batch_sq * B**2 + c_kv * K
+    dT_pf(B, K, chi, P)  = c_chunk * tiles(chi) + c_chunk_kv * chi * K + c_chunk_sq * chi**2
                            + c_chunk_prefix * chi * P + c_prefix * P
+    tiles(chi)           = ceil(chi / tile_tokens) * tile_tokens
+
+``c_batch_sq * B**2`` is batch crowding: the per-request decode cost that
+grows as the batch fills (the paper's T0 is linear in B). ``tiles(chi)`` is
+the chunk as the linear layers see it: an engine that runs prefill tokens in
+tiles pays a partial tile as a whole one, so a 129-token chunk costs 256
+tokens of ``c_chunk`` at ``tile_tokens`` = 128. ``tile_tokens`` is a property
+of the engine, not a fitted coefficient (1: no padding, the paper's form);
+``c_batch_sq`` is fitted like the others (0: the paper's form).
 
 A chunk's attention spans its own request's context, not the node's: ``chi *
 P`` is that attention's arithmetic (the reason later chunks of a deflected
@@ -43,11 +52,21 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-FEATURE_NAMES: tuple[str, ...] = ("1", "B", "K", "chi", "chi*K", "chi^2", "chi*P", "P")
+FEATURE_NAMES: tuple[str, ...] = ("1", "B", "K", "tiles(chi)", "chi*K", "chi^2", "chi*P", "P", "B^2")
 """Names of the regression features, in coefficient order."""
 
-FORMAT = "linear-v2"
-"""The ``model`` field of profile files written now; ``linear-v1`` files (no ``chi*P``) still load."""
+FORMAT = "linear-v3"
+"""The ``model`` field of profile files written now.
+
+Older files still load: ``linear-v2`` has no ``B^2`` term and no tiles,
+``linear-v1`` (the paper's form) no prefix terms either.
+"""
+
+_LATER_FIELDS = {  # the fields each older format lacks (read as 0, or 1 for tile_tokens)
+    "linear-v1": ("c_chunk_prefix", "c_prefix", "c_batch_sq", "tile_tokens"),
+    "linear-v2": ("c_batch_sq", "tile_tokens"),
+    FORMAT: (),
+}
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -127,14 +146,21 @@ class StepLatencyModel:
     c_chunk_sq: float  # per squared prefill token (attention within the chunk)
     c_chunk_prefix: float = 0.0  # per prefill token per token of its own prefix (attention over its context)
     c_prefix: float = 0.0  # per token of the chunk's own prefix (reading its context), beyond c_kv
+    c_batch_sq: float = 0.0  # per squared decoding request (batch crowding)
+    tile_tokens: int = 1  # prefill tokens go through the linear layers in tiles of this many (not fitted)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tile_tokens, int) or self.tile_tokens < 1:
+            raise ValueError(f"tile_tokens must be an integer >= 1, got {self.tile_tokens!r}")
 
     @classmethod
-    def from_coefficients(cls, coefficients: npt.ArrayLike) -> StepLatencyModel:
-        """Build from a vector in ``FEATURE_NAMES`` order."""
+    def from_coefficients(cls, coefficients: npt.ArrayLike, tile_tokens: int = 1) -> StepLatencyModel:
+        """Build from a vector in ``FEATURE_NAMES`` order and the engine's tile size."""
         values = [float(v) for v in np.asarray(coefficients, dtype=float).ravel()]
         if len(values) != len(FEATURE_NAMES):
             raise ValueError(f"expected {len(FEATURE_NAMES)} coefficients, got {len(values)}")
-        return cls(*values)
+        names = [name for name in cls.__dataclass_fields__ if name != "tile_tokens"]
+        return cls(**dict(zip(names, values, strict=True)), tile_tokens=tile_tokens)
 
     @property
     def coefficients(self) -> FloatArray:
@@ -149,24 +175,21 @@ class StepLatencyModel:
                 self.c_chunk_sq,
                 self.c_chunk_prefix,
                 self.c_prefix,
+                self.c_batch_sq,
             ],
             dtype=float,
         )
 
     def step_s(self, batch_size: int, kv_tokens: float, chunk_tokens: float, prefix_tokens: float = 0) -> float:
         """T_step(B, K, chi, P) in seconds (Eq. 4)."""
-        seconds = self.c0 + self.c_batch * batch_size + self.c_kv * kv_tokens
+        seconds = self.c0 + batch_size * (self.c_batch + self.c_batch_sq * batch_size) + self.c_kv * kv_tokens
         if not chunk_tokens:
             return seconds
         return (
             seconds
+            + self.c_chunk * tiles(chunk_tokens, self.tile_tokens)
             + chunk_tokens
-            * (
-                self.c_chunk
-                + self.c_chunk_kv * kv_tokens
-                + self.c_chunk_sq * chunk_tokens
-                + self.c_chunk_prefix * prefix_tokens
-            )
+            * (self.c_chunk_kv * kv_tokens + self.c_chunk_sq * chunk_tokens + self.c_chunk_prefix * prefix_tokens)
             + self.c_prefix * prefix_tokens
         )
 
@@ -178,7 +201,7 @@ class StepLatencyModel:
         prefix_tokens: npt.ArrayLike = 0,
     ) -> FloatArray:
         """Vectorised ``step_s`` over broadcastable arrays."""
-        return features(batch_size, kv_tokens, chunk_tokens, prefix_tokens) @ self.coefficients
+        return features(batch_size, kv_tokens, chunk_tokens, prefix_tokens, self.tile_tokens) @ self.coefficients
 
     def _growth_s(self, chunk_tokens: float) -> float:
         """How much a step slows per token by which K and P both grow (the chunk's own KV)."""
@@ -189,8 +212,8 @@ class StepLatencyModel:
     ) -> float:
         """Closed-form sum of ``num_steps`` steps whose K and P grow by ``chunk_tokens`` per step.
 
-        Step j costs step_s(B, K0, chi, P0) + b * chi * j for fixed B and chi,
-        so the run sums an arithmetic series: n * first + b * chi * n * (n - 1) / 2.
+        Step j costs step_s(B, K0, chi, P0) + b * chi * j for fixed B and chi
+        (the tiles of chi are fixed too), so the run sums an arithmetic series: n * first + b * chi * n * (n - 1) / 2.
         """
         if num_steps <= 0:
             return 0.0
@@ -230,27 +253,32 @@ class StepLatencyModel:
         return n
 
     def to_json(self) -> str:
-        """JSON object with the coefficients and the feature names."""
+        """JSON object with the coefficients, the tile size and the feature names."""
         return json.dumps({"model": FORMAT, "features": list(FEATURE_NAMES), **asdict(self)}, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> StepLatencyModel:
-        """Inverse of ``to_json``; also reads ``linear-v1`` (the paper's form: no prefix terms).
+        """Inverse of ``to_json``; also reads ``linear-v2`` and ``linear-v1`` (``_LATER_FIELDS``).
 
-        A missing or non-finite coefficient raises ``ValueError``.
+        A missing or non-finite coefficient, or a tile size that is not a positive integer, raises ``ValueError``.
         """
         data = json.loads(text)
         version = data.get("model") if isinstance(data, dict) else None
-        if version not in ("linear-v1", FORMAT):
-            raise ValueError(f'not a linear step-latency profile (need "model": "{FORMAT}" or "linear-v1")')
-        names = [f for f in cls.__dataclass_fields__ if version == FORMAT or f not in ("c_chunk_prefix", "c_prefix")]
+        if version not in _LATER_FIELDS:
+            raise ValueError(
+                f'not a linear step-latency profile (need "model": one of {", ".join(map(repr, _LATER_FIELDS))})'
+            )
+        names = [f for f in cls.__dataclass_fields__ if f not in _LATER_FIELDS[version]]
         missing = [n for n in names if n not in data]
         if missing:
             raise ValueError(f"step-latency profile lacks coefficients: {', '.join(missing)}")
         bad = [n for n in names if not isinstance(data[n], (int, float)) or not math.isfinite(data[n])]
         if bad:
             raise ValueError(f"step-latency coefficients must be finite numbers: {', '.join(bad)}")
-        return cls(**{n: float(data[n]) for n in names})
+        tile = data["tile_tokens"] if "tile_tokens" in names else 1
+        if not float(tile).is_integer() or tile < 1:
+            raise ValueError(f"tile_tokens must be an integer >= 1, got {tile!r}")
+        return cls(**{n: float(data[n]) for n in names if n != "tile_tokens"}, tile_tokens=int(tile))
 
     @classmethod
     def load(cls, path: str | Path) -> StepLatencyModel:
@@ -261,8 +289,17 @@ class StepLatencyModel:
             raise ValueError(f"{path}: {exc}") from exc
 
 
+def tiles(chunk_tokens: float, tile_tokens: int) -> float:
+    """The chunk rounded up to whole tiles: the prefill tokens the linear layers compute."""
+    return chunk_tokens if tile_tokens == 1 else math.ceil(chunk_tokens / tile_tokens) * tile_tokens
+
+
 def features(
-    batch_size: npt.ArrayLike, kv_tokens: npt.ArrayLike, chunk_tokens: npt.ArrayLike, prefix_tokens: npt.ArrayLike = 0
+    batch_size: npt.ArrayLike,
+    kv_tokens: npt.ArrayLike,
+    chunk_tokens: npt.ArrayLike,
+    prefix_tokens: npt.ArrayLike = 0,
+    tile_tokens: int = 1,
 ) -> FloatArray:
     """Design matrix with one row per step and columns in ``FEATURE_NAMES`` order (P counts only with a chunk)."""
     b, k, chi, p = np.broadcast_arrays(
@@ -272,4 +309,5 @@ def features(
         np.asarray(prefix_tokens, dtype=float),
     )
     p = np.where(chi > 0, p, 0.0)
-    return np.stack([np.ones_like(b), b, k, chi, chi * k, chi * chi, chi * p, p], axis=-1)
+    padded = chi if tile_tokens == 1 else np.ceil(chi / tile_tokens) * tile_tokens
+    return np.stack([np.ones_like(b), b, k, padded, chi * k, chi * chi, chi * p, p, b * b], axis=-1)

@@ -20,11 +20,12 @@ GUARD_KEY = "chunk_guard"
 
 
 def guard_spec(model: StepLatency, candidates: Sequence[int], tbt_budget_s: float) -> dict[str, Any]:
-    """The ``chunk_guard`` extra arg: Eq. 4's coefficients, LargestSafe's candidates and beta * tau."""
+    """The ``chunk_guard`` extra arg: Eq. 4's coefficients and tile size, LargestSafe's candidates and beta * tau."""
     if not isinstance(model, StepLatencyModel):
         raise TypeError(f"the run-time chunk guard needs a linear StepLatencyModel, got {type(model).__name__}")
     return {
         "coefficients": [float(c) for c in model.coefficients],
+        "tile_tokens": model.tile_tokens,
         "candidates": [int(c) for c in candidates],
         "tbt_budget_s": float(tbt_budget_s),
     }

@@ -12,8 +12,8 @@ settings. Deflected requests go one at a time, first come
 first served, as the router plans them (``core.estimate.after_committed``);
 a prefill without a schedule that shares the step gets the same cap.
 
-With ``extra_args["chunk_guard"] = {"coefficients": [...], "candidates":
-[...], "tbt_budget_s": t}`` the request's next chunk is also checked when it
+With ``extra_args["chunk_guard"] = {"coefficients": [...], "tile_tokens": n,
+"candidates": [...], "tbt_budget_s": t}`` the request's next chunk is also checked when it
 runs, against the decode batch of that step and the request's own prefix (its
 tokens computed so far, which the chunk attends over: Eq. 4's chi * P;
 ``core.sweep.largest_safe_chunk``, Eq. 5 at run time): a batch that grew since
@@ -63,9 +63,9 @@ def _extra(request: Any) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=8)
-def _guard_model(coefficients: tuple[float, ...]) -> StepLatencyModel:
+def _guard_model(coefficients: tuple[float, ...], tile_tokens: int) -> StepLatencyModel:
     """The guard's model, built once per set of coefficients rather than on every step."""
-    return StepLatencyModel.from_coefficients(coefficients)
+    return StepLatencyModel.from_coefficients(coefficients, tile_tokens)
 
 
 def schedule_of(request: Any) -> tuple[int, ...] | None:
@@ -98,7 +98,7 @@ class ChunkScheduleScheduler(Scheduler):
         if not spec:
             return chunk
         decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
-        model = _guard_model(tuple(spec["coefficients"]))
+        model = _guard_model(tuple(spec["coefficients"]), int(spec["tile_tokens"]))
         prefix = request.num_computed_tokens
         kv_tokens = prefix + sum(r.num_computed_tokens for r in decoding)  # resident: the decodes' and its own
         safe = largest_safe_chunk(

@@ -4,14 +4,18 @@ A profile table has one row per measured engine step with the columns
 ``batch_size, kv_tokens, chunk_tokens, prefix_tokens, step_s`` (``prefix_tokens``,
 the chunk's own prefix, may be absent: tables measured before it existed read
 as chunks with no prefix). ``fit`` holds out a random share of the rows, fits
-the seven coefficients of ``StepLatencyModel`` by least squares on the rest,
+the nine coefficients of ``StepLatencyModel`` by least squares on the rest,
 and reports the mean absolute percentage error on the held-out rows (the
-paper's predictors reach MAPE < 10 %).
+paper's predictors reach MAPE < 10 %). The engine's tile size is given, not
+fitted: the chunk's linear-layer feature is the chunk rounded up to whole
+tiles (``core.latency.tiles``; 1, no rounding, unless the engine is known to
+pad).
 
 Coefficients are constrained to be non-negative by default: every feature
-(batch, KV, chunk tokens, chunk x KV, chunk squared, chunk x own prefix) can
-only add work, and non-negative coefficients make the step time grow as the
-prefix grows, which is what lets LargestSafe shrink chunks monotonically (Eq. 5).
+(batch, batch squared, KV, chunk tokens, chunk x KV, chunk squared, chunk x
+own prefix) can only add work, and non-negative coefficients make the step
+time grow as the prefix grows, which is what lets LargestSafe shrink chunks
+monotonically (Eq. 5).
 """
 
 from __future__ import annotations
@@ -57,9 +61,9 @@ class ProfileTable:
             self.prefix_tokens[rows],
         )
 
-    def design(self) -> FloatArray:
+    def design(self, tile_tokens: int = 1) -> FloatArray:
         """The regression's design matrix (``core.latency.features``)."""
-        return features(self.batch_size, self.kv_tokens, self.chunk_tokens, self.prefix_tokens)
+        return features(self.batch_size, self.kv_tokens, self.chunk_tokens, self.prefix_tokens, tile_tokens)
 
 
 @dataclass(frozen=True)
@@ -107,8 +111,10 @@ def write_table(path: str | Path, table: ProfileTable) -> None:
             writer.writerow([int(b), int(k), int(chi), int(p), f"{step:.6g}"])
 
 
-def fit(table: ProfileTable, holdout: float = 0.2, seed: int = 0, non_negative: bool = True) -> FitResult:
-    """Least-squares fit of Eq. 4 with its held-out MAPE."""
+def fit(
+    table: ProfileTable, holdout: float = 0.2, seed: int = 0, non_negative: bool = True, tile_tokens: int = 1
+) -> FitResult:
+    """Least-squares fit of Eq. 4 (chunks in tiles of ``tile_tokens``) with its held-out MAPE."""
     if not 0.0 < holdout < 1.0:
         raise ValueError(f"holdout must be in (0, 1), got {holdout}")
     n = len(table)
@@ -117,12 +123,12 @@ def fit(table: ProfileTable, holdout: float = 0.2, seed: int = 0, non_negative: 
         raise ValueError(f"need more measured steps to fit {len(FEATURE_NAMES)} coefficients with a hold-out, got {n}")
     order = np.random.default_rng(seed).permutation(n)
     train, test = table.subset(order[num_holdout:]), table.subset(order[:num_holdout])
-    design = train.design()
+    design = train.design(tile_tokens)
     # The columns span some ten orders of magnitude (1 to chi * K); scaled to at most 1, the solver treats them alike.
     scale = np.abs(design).max(axis=0)
     scale[scale == 0] = 1.0
     regression = LinearRegression(fit_intercept=False, positive=non_negative)
     regression.fit(design / scale, train.step_s)
-    model = StepLatencyModel.from_coefficients(regression.coef_ / scale)
-    mape = float(np.mean(np.abs(test.design() @ model.coefficients - test.step_s) / test.step_s))
+    model = StepLatencyModel.from_coefficients(regression.coef_ / scale, tile_tokens)
+    mape = float(np.mean(np.abs(test.design(tile_tokens) @ model.coefficients - test.step_s) / test.step_s))
     return FitResult(model, mape, n - num_holdout, num_holdout)

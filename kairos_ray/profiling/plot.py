@@ -15,7 +15,7 @@ from kairos_ray.profiling.fit import ProfileTable
 
 def plot_fit(table: ProfileTable, model: StepLatencyModel, path: Path, mape: float) -> Path:
     """Scatter of every measured step against the model's prediction, coloured by chunk size."""
-    predicted = table.design() @ model.coefficients
+    predicted = table.design(model.tile_tokens) @ model.coefficients
     fig, ax = plt.subplots(figsize=(5, 5))
     points = ax.scatter(1000 * table.step_s, 1000 * predicted, c=table.chunk_tokens, cmap="viridis", s=14)
     top = 1000 * max(float(table.step_s.max()), float(predicted.max())) * 1.05

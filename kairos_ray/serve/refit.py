@@ -62,6 +62,6 @@ class OnlineRefit:
 
     def refit(self, current: StepLatencyModel) -> Refit:
         self.since_refit = 0
-        candidate = fit(self.table()).model
+        candidate = fit(self.table(), tile_tokens=current.tile_tokens).model
         current_mape, refit_mape = self.mape(current), self.mape(candidate)
         return Refit(candidate if refit_mape < current_mape else None, current_mape, refit_mape)

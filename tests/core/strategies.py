@@ -31,6 +31,8 @@ def models(draw: st.DrawFn) -> StepLatencyModel:
         c_chunk_sq=draw(st.floats(0.0, 1e-7)),
         c_chunk_prefix=draw(st.floats(0.0, 1e-8)),
         c_prefix=draw(st.floats(0.0, 1e-6)),
+        c_batch_sq=draw(st.floats(0.0, 1e-6)),
+        tile_tokens=draw(st.sampled_from((1, 16, 128))),
     )
 
 

@@ -37,14 +37,32 @@ def test_own_prefix_step_time_by_hand():
 
 
 def test_every_feature_has_its_coefficient():
-    model = StepLatencyModel(1.0, 2.0, 3.0, 5.0, 7.0, 11.0, 13.0, 17.0)
+    model = StepLatencyModel(1.0, 2.0, 3.0, 5.0, 7.0, 11.0, 13.0, 17.0, 19.0)
     b, k, chi, p = 2, 3, 4, 6
-    expected = 1 + 2 * b + 3 * k + 5 * chi + 7 * chi * k + 11 * chi * chi + 13 * chi * p + 17 * p
+    expected = 1 + 2 * b + 3 * k + 5 * chi + 7 * chi * k + 11 * chi * chi + 13 * chi * p + 17 * p + 19 * b * b
     assert model.step_s(b, k, chi, p) == expected
-    assert model.step_s(b, k, 0, p) == 1 + 2 * b + 3 * k  # no chunk, no prefix to read
-    assert list(FEATURE_NAMES) == ["1", "B", "K", "chi", "chi*K", "chi^2", "chi*P", "P"]
-    assert model.coefficients.tolist() == [1, 2, 3, 5, 7, 11, 13, 17]
+    assert model.step_s(b, k, 0, p) == 1 + 2 * b + 3 * k + 19 * b * b  # no chunk, no prefix to read
+    assert list(FEATURE_NAMES) == ["1", "B", "K", "tiles(chi)", "chi*K", "chi^2", "chi*P", "P", "B^2"]
+    assert model.coefficients.tolist() == [1, 2, 3, 5, 7, 11, 13, 17, 19]
     assert StepLatencyModel.from_coefficients(model.coefficients) == model
+    tiled = StepLatencyModel.from_coefficients(model.coefficients, tile_tokens=8)
+    # the 4-token chunk pays a whole 8-token tile in its linear layers, and only there
+    assert tiled.step_s(b, k, chi, p) == expected + 5 * (8 - chi)
+
+
+def test_crowding_and_tiles_by_hand():
+    # T = 0.01 + 0.001 B + 1e-6 B^2 + 1e-4 tiles(chi), tiles of 128
+    model = StepLatencyModel(0.01, 0.001, 0.0, 1e-4, 0.0, 0.0, c_batch_sq=1e-6, tile_tokens=128)
+    assert model.step_s(100, 0, 0) == pytest.approx(0.01 + 0.1 + 0.01)
+    assert model.step_s(0, 0, 128) == pytest.approx(0.01 + 0.0128)
+    assert model.step_s(0, 0, 129) == pytest.approx(0.01 + 0.0256)  # a partial tile costs a whole one
+    assert model.step_s(0, 0, 1) == model.step_s(0, 0, 128)
+    # a run of 129-token chunks: every step pays 256 tokens, and the closed form agrees with the steps
+    assert model.run_s(100, 0, 129, 3) == pytest.approx(3 * (0.12 + 0.0256))
+    assert model.safe_steps(100, 0, 129, 5, 0.15) == 5
+    assert model.safe_steps(100, 0, 129, 5, 0.145) == 0
+    with pytest.raises(ValueError, match="tile_tokens"):
+        StepLatencyModel(0.01, 0.0, 0.0, 0.0, 0.0, 0.0, tile_tokens=0)
 
 
 def test_later_chunks_cost_more():
@@ -74,7 +92,15 @@ def test_a_linear_v1_profile_loads_in_the_papers_form():
     """Profiles written before the own-prefix features: the chunk's context is the node's KV, no prefix terms."""
     v1 = {"model": "linear-v1", "c0": 0.01, "c_batch": 0.001, "c_kv": 0, "c_chunk": 1e-4, "c_chunk_kv": 1e-7}
     assert StepLatencyModel.from_json(json.dumps({**v1, "c_chunk_sq": 0})) == SIMPLE
-    assert json.loads(SIMPLE.to_json())["model"] == "linear-v2"
+    assert json.loads(SIMPLE.to_json())["model"] == "linear-v3"
+
+
+def test_a_linear_v2_profile_loads_without_crowding_or_tiles():
+    v2 = json.loads(OWN.to_json())
+    for later in ("c_batch_sq", "tile_tokens"):
+        del v2[later]
+    assert StepLatencyModel.from_json(json.dumps({**v2, "model": "linear-v2"})) == OWN
+    assert OWN.c_batch_sq == 0 and OWN.tile_tokens == 1
 
 
 @pytest.mark.parametrize(
@@ -91,6 +117,16 @@ def test_a_linear_v1_profile_loads_in_the_papers_form():
             '{"model": "linear-v1", "c0": "x", "c_batch": 0, "c_kv": 0, "c_chunk": 0, '
             '"c_chunk_kv": 0, "c_chunk_sq": 0}',
             "finite numbers: c0",
+        ),
+        (
+            '{"model": "linear-v3", "c0": 0.1, "c_batch": 0, "c_kv": 0, "c_chunk": 0, "c_chunk_kv": 0, '
+            '"c_chunk_sq": 0, "c_chunk_prefix": 0, "c_prefix": 0}',
+            "lacks coefficients: c_batch_sq, tile_tokens",
+        ),
+        (
+            '{"model": "linear-v3", "c0": 0.1, "c_batch": 0, "c_kv": 0, "c_chunk": 0, "c_chunk_kv": 0, '
+            '"c_chunk_sq": 0, "c_chunk_prefix": 0, "c_prefix": 0, "c_batch_sq": 0, "tile_tokens": 1.5}',
+            "tile_tokens must be an integer",
         ),
     ],
 )

@@ -26,7 +26,7 @@ def test_profile_measures_the_grid_and_fits(tmp_path):
         assert context in (64, 256) and float(r["step_s"]) > 0
     model = StepLatencyModel.from_json(profile.read_text())
     assert model.step_s(4, 1000, 256, 128) > 0
-    assert "held-out MAPE" in result.stdout and json.loads(profile.read_text())["model"] == "linear-v2"
+    assert "held-out MAPE" in result.stdout and json.loads(profile.read_text())["model"] == "linear-v3"
     assert profile.with_suffix(".png").exists()
 
 

@@ -10,7 +10,7 @@ from kairos_ray.serve.refit import OnlineRefit
 
 SHIPPED = StepLatencyModel.load(resolve_profile("a100-deepseek-v2-lite"))
 # the hardware turns out slower than profiled: every coefficient 30 % higher
-ACTUAL = StepLatencyModel.from_coefficients(SHIPPED.coefficients * 1.3)
+ACTUAL = StepLatencyModel.from_coefficients(SHIPPED.coefficients * 1.3, SHIPPED.tile_tokens)
 
 
 def reports(model, n, seed=0):
