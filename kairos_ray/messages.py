@@ -53,6 +53,7 @@ class EngineRequest:
     priority: int = 0  # vLLM's request priority (lower first; a no-op under FCFS scheduling)
     cache_salt: str | None = None  # salts the prompt's prefix-cache hashes on the engines (vLLM's ``cache_salt``)
     kv_receiver: str = ""  # disaggregated: the decode node chosen to continue it ("" when the router fell back)
+    kv_receiver_cached_tokens: int = 0  # disaggregated: leading prompt tokens kv_receiver's cache holds (not sent)
     attempt: int = 0  # 0 for the first try; a retry or a migration runs as a new attempt (engines key on both)
     output_offset: int = 0  # tokens generated before a migration: this attempt's first token has this index
 
@@ -69,6 +70,7 @@ class KVHandoff:
     prefill_end_wall_s: float  # time.time() when the prompt's last chunk finished
     transport: str  # how the KV travels: object_store, gloo or nccl (a channel), or a vLLM connector's name
     cached_tokens: int = 0  # prompt tokens the prefill node's prefix cache held (not computed there)
+    skipped_tokens: int = 0  # leading prompt tokens whose KV did not travel: the receiver's cache holds them
 
 
 @dataclass(frozen=True, slots=True)

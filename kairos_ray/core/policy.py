@@ -34,7 +34,9 @@ decode node, and a prefill-routed request goes to the decode node with the
 most KV headroom once it holds the request, the blocks a node holds already
 counting as room (they need none, nor a transfer). alpha and beta are
 unchanged. A cache-blind policy ignores ``hits``: it prices the whole prompt
-everywhere.
+everywhere. Either way, given ``hits``, a prefill-routed decision names the
+prompt tokens its decode node holds (``Decision.receiver_cached_tokens``):
+the hand-off leaves their KV out, as the simulator's does.
 """
 
 from __future__ import annotations
@@ -179,7 +181,11 @@ class _BasePolicy:
                 f"cluster view needs at least one prefill and one decode node, "
                 f"has {len(view.prefill)} prefill and {len(view.decode)} decode"
             )
-        return self._decide(prompt_tokens, view, hits if self.params.prefix_aware else None)
+        decision = self._decide(prompt_tokens, view, hits if self.params.prefix_aware else None)
+        if hits is not None and decision.route is Route.PREFILL and decision.decode_node is not None:
+            # the hand-off leaves out what its decode node holds, whether or not the estimates priced it
+            decision = replace(decision, receiver_cached_tokens=hits.at(decision.decode_node))
+        return decision
 
     def _decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> Decision:
         """Decide with ``hits`` None when cache-blind."""

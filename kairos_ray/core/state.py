@@ -90,6 +90,7 @@ class Decision:
     ttft_decode_s: float | None  # estimated TTFT on the chosen/best decode node (Eq. 6), None if none feasible
     reason: str  # short, human-readable
     cached_prompt_tokens: int = 0  # prompt tokens the prefilling node holds (priced as cached; 0 if cache-blind)
+    receiver_cached_tokens: int = 0  # Route.PREFILL: prompt tokens the decode node holds (their KV need not travel)
 
     @property
     def deflected(self) -> bool:

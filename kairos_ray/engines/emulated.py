@@ -6,10 +6,12 @@ says an A100 would take (times noise, times ``time_scale``), then applies the
 step and streams the tokens it made. Tokens are deterministic (a function of
 the request id and the position). A prefill node's KV payload is ``prompt
 tokens * kv_bytes_per_token / kv_scale`` bytes handed over by the KV
-transport (``kairos_ray.kv``, the Ray object store); the decode node receives
-it before the request may join its batch, so the transport is real even
-though the numbers are not. If the KV is lost, the decode node recomputes
-the prompt in place, in ``prefill_chunk_tokens`` chunks.
+transport (``kairos_ray.kv``, the Ray object store), less the leading tokens
+the router says the decode node's cache holds (``kv_receiver_cached_tokens``);
+the decode node receives it before the request may join its batch, so the
+transport is real even though the numbers are not. If the KV is lost, or the
+decode node no longer holds the tokens that were not sent, it recomputes the
+prompt in place, in ``prefill_chunk_tokens`` chunks.
 
 Every step (at most every ``report_interval_s``) and on a heartbeat, the
 engine reports its state to the router.
@@ -284,7 +286,9 @@ class EmulatedEngine:
             self._done.pop(job.request_id, None)
             self.prefill_node.cancel(job)
             raise
-        kv_bytes = max(1, math.ceil(request.prompt_tokens * self.hw.kv_bytes_per_token / self.kv_scale))
+        skipped = min(request.kv_receiver_cached_tokens, request.prompt_tokens)  # the receiver holds them
+        sent = request.prompt_tokens - skipped
+        kv_bytes = max(1, math.ceil(sent * self.hw.kv_bytes_per_token / self.kv_scale))
         kv, transport = await self.kv.hand_off(request.request_id, {0: bytes(kv_bytes)}, request.kv_receiver)
         return KVHandoff(
             kv=kv,
@@ -295,19 +299,28 @@ class EmulatedEngine:
             prefill_end_wall_s=time.time(),
             transport=transport,
             cached_tokens=job.cached_tokens,
+            skipped_tokens=skipped,
         )
 
     def release(self, request_id: int) -> None:
         self.kv.release(request_id)
 
-    async def _received(self, handoff: KVHandoff) -> bool:
-        """Whether the hand-off's KV arrived whole (else the prompt is recomputed here)."""
+    async def _received(self, handoff: KVHandoff, job: Job) -> bool:
+        """Whether the hand-off's KV arrived whole, and this node holds the tokens it left out (else the prompt
+        is recomputed here); a partial hand-off's job takes its held blocks (``DecodeNode.expect``)."""
         try:
             payload = await self.kv.receive(handoff.kv)
         except KVLost:
             self.kv_recomputes += 1
             return False
-        return sum(len(b) for b in payload.values()) == handoff.kv_bytes
+        if sum(len(b) for b in payload.values()) != handoff.kv_bytes:
+            return False
+        if handoff.skipped_tokens:
+            if self.cache.cached_tokens(job.block_hashes, job.prompt_tokens) < handoff.skipped_tokens:
+                self.kv_recomputes += 1  # evicted since the router's decision
+                return False
+            self.decode_node.expect(job)
+        return True
 
     async def generate(self, request: EngineRequest, handoff: KVHandoff | None) -> AsyncIterator[list[TokenEvent]]:
         if self.role is not Role.DECODE:
@@ -323,7 +336,7 @@ class EmulatedEngine:
                 job.schedule = request.chunk_schedule
                 self.decode_node.deflect(job)
             else:
-                received = await self._received(handoff)
+                received = await self._received(handoff, job)
                 self._breakdowns[job.request_id] = TTFTBreakdown(
                     handoff.prefill_queue_s,
                     handoff.prefill_exec_s,

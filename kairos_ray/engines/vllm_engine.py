@@ -13,6 +13,9 @@ last chunk is computed (vLLM frees them at once, or, with ``hold_blocks``,
 once the decode node has the KV); this engine reads the staged bytes
 (``kv.staging``) and hands them to its KV transport (``kv.transport``: the
 Ray object store, or a gloo/NCCL pair to the decode node the router named).
+The blocks the router says that decode node's prefix cache holds
+(``EngineRequest.kv_receiver_cached_tokens``) are not staged: only the rest
+travels (``KVHandoff.skipped_tokens``).
 
 Decode node: a disaggregated request's KV is received from the transport
 (at most ``kv_timeout_s``), staged for the connector, and the request is
@@ -70,7 +73,7 @@ from kairos_ray.engines.vllm_args import GUARD_KEY, SCHEDULE_KEY, guard_spec
 from kairos_ray.engines.vllm_events import KVEventMirror, events_config, events_endpoint, mirrorable
 from kairos_ray.engines.vllm_worker import EXTENSION as SEEDED_CHUNKS
 from kairos_ray.kv import KAIROS_CONNECTOR, KVBytes, KVLost, KVTransport, build_transport
-from kairos_ray.kv.staging import HOLD_KEY, Staging, node_staging_dir, remote_decode_params
+from kairos_ray.kv.staging import HOLD_KEY, SKIP_TOKENS, Staging, node_staging_dir, remote_decode_params
 from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role, TokenEvent, TokenLogprob, TTFTBreakdown
 
 logger = logging.getLogger("ray.serve")
@@ -376,7 +379,9 @@ class VllmEngine:
         rid = request.request_id
         # The one token sampled here is dropped: the decode node samples the first token with the request's
         # own parameters (its seed's generator fresh, as in a single engine), so the prompt alone matters here.
-        extra = {"kv_transfer_params": remote_decode_params()}
+        # the Kairos connector leaves out the blocks the decode node's cache holds; another moves what it moves
+        skip = request.kv_receiver_cached_tokens if self.connector == KAIROS_CONNECTOR else 0
+        extra = {"kv_transfer_params": remote_decode_params(skip)}
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=extra)
         if not self._queue:
             self._prefilled_since_head = 0
@@ -395,9 +400,10 @@ class VllmEngine:
             raise RuntimeError(f"prefill of request {rid} returned no kv_transfer_params")
         queue_s, exec_s = _prefill_times(final.metrics)
         kv_params: dict[str, Any] = final.kv_transfer_params
+        skipped = int(kv_params.get(SKIP_TOKENS, 0))
         if self.connector != KAIROS_CONNECTOR:  # another connector's hand-off: its parameters
             kv, transport = await self.kv.hand_off(rid, kv_params, request.kv_receiver)
-            kv_bytes = 0
+            kv_bytes = skipped = 0
         else:
             payload = self.staging.collect(kv_params)
             kv_bytes = sum(len(b) for b in payload.values())
@@ -413,6 +419,7 @@ class VllmEngine:
             prefill_end_wall_s=end_wall,
             transport=transport,
             cached_tokens=final.num_cached_tokens or 0,
+            skipped_tokens=skipped,
         )
 
     def _pop_queue(self, rid: int) -> None:
@@ -437,7 +444,7 @@ class VllmEngine:
             if self.connector != KAIROS_CONNECTOR:  # the connector pulls the KV itself
                 return cast(dict[str, Any], payload)
             name = f"{self.node_id}-{request.request_id}"
-            return self.staging.stage(name, cast(KVBytes, payload), request.prompt_tokens)
+            return self.staging.stage(name, cast(KVBytes, payload), request.prompt_tokens, handoff.skipped_tokens)
         except (KVLost, OSError) as error:
             self.kv_recomputes += 1
             logger.warning(

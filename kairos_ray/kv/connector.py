@@ -10,9 +10,16 @@ computes its prompt's last chunk (however many chunks came before), every
 layer's blocks of the request are copied out, whole, into one staged file
 per tensor-parallel rank under ``staging_dir``. The blocks are then freed at
 once (the copy holds the KV), and the request's output carries
-``kv_transfer_params = {"kairos_kv": <staged path>, "num_tokens": n}``.
-``kairos_ray.engines.vllm_engine`` reads the staged bytes (``kv.staging``),
-hands them to the decode node (``kv.transport``) and deletes the file.
+``kv_transfer_params = {"kairos_kv": <staged path>, "num_tokens": n,
+"kairos_skip_tokens": s}``. ``kairos_ray.engines.vllm_engine`` reads the
+staged bytes (``kv.staging``), hands them to the decode node
+(``kv.transport``) and deletes the file.
+
+A partly cached prompt: when the caller says the decode node's prefix cache
+holds the prompt's first tokens (``kairos_skip_tokens`` in the request's
+``kv_transfer_params``, from the router's mirror of that node's cache), the
+blocks those tokens fill are not staged, so they do not travel: ``s`` is
+that many whole blocks, at most the blocks before the prompt's last token.
 
 With ``kv_connector_extra_config = {"hold_blocks_until_taken": true}`` the
 producer instead keeps the request's blocks until the decode node has the KV:
@@ -28,9 +35,11 @@ those ``kv_transfer_params``. The connector claims the prompt's first ``n -
 forward pass yields the first token), less the leading ones this node's
 prefix cache holds already (whose staged blocks are skipped), loads the
 blocks synchronously before the step's forward and deletes the file. A staged file that is missing
-claims nothing (the request is recomputed from scratch); one that cannot be
-read or does not match reports its blocks as failed, and vLLM's
-``kv_load_failure_policy: recompute`` recomputes them.
+claims nothing (the request is recomputed from scratch), nor does one that
+starts past this node's own hit (the first ``s`` tokens were not sent and
+the blocks that held them were evicted meanwhile: vLLM computes the prompt
+from its hit); one that cannot be read or does not match reports its blocks
+as failed, and vLLM's ``kv_load_failure_policy: recompute`` recomputes them.
 
 Whole blocks travel, not token slots: attention backends lay a block out
 differently (the CPU backend interleaves keys and values inside a block), so
@@ -61,6 +70,7 @@ from kairos_ray.kv.staging import (
     KV_PATH,
     KV_TOKENS,
     REMOTE_DECODE,
+    SKIP_TOKENS,
     TAKEN,
     default_staging_dir,
     open_private,
@@ -105,6 +115,15 @@ class _Transfer:
 
 
 @dataclass
+class _Watched:
+    """A producer's request whose KV a step will stage."""
+
+    prompt_tokens: int
+    block_ids: list[int]  # its blocks so far, in order
+    skip_blocks: int = 0  # leading blocks the decode node holds: not staged
+
+
+@dataclass
 class KairosKVMetadata(KVConnectorMetadata):
     saves: list[_Transfer] = field(default_factory=list)
     loads: list[_Transfer] = field(default_factory=list)
@@ -121,7 +140,7 @@ class KairosKVConnector(KVConnectorBase_V1):
         self._hold_timeout_s = float(extra("hold_timeout_s", 120.0))
         private_dir(self._dir)
         # scheduler side
-        self._watched: dict[str, tuple[int, list[int]]] = {}  # producer: request id -> (prompt tokens, its blocks)
+        self._watched: dict[str, _Watched] = {}  # producer: the requests it stages, by id
         self._staging: set[str] = set()  # producer: watched requests whose KV a step stages
         self._pending_loads: list[_Transfer] = []  # consumer: loads planned for the next step
         self._local_hits: dict[str, int] = {}  # consumer: request id -> its own cached tokens, as vLLM gave them
@@ -143,6 +162,15 @@ class KairosKVConnector(KVConnectorBase_V1):
             return 0, False
         # the last prompt token is recomputed here: its forward pass gives the first token
         staged = min(int(params.get(KV_TOKENS, 0)), len(request.prompt_token_ids or ())) - 1
+        skipped = int(params.get(SKIP_TOKENS, 0))
+        if num_computed_tokens < skipped:  # the blocks the producer left out are no longer cached here
+            logger.warning(
+                "request %s: %d leading tokens were not sent (cached here), %d are now: computing the rest here",
+                request.request_id,
+                skipped,
+                num_computed_tokens,
+            )
+            return 0, False
         # the external tokens follow this node's own prefix hit (block-aligned): remember where they start
         self._local_hits[request.request_id] = num_computed_tokens
         return max(0, staged - num_computed_tokens), False
@@ -157,7 +185,8 @@ class KairosKVConnector(KVConnectorBase_V1):
         first = computed // self._block_size
         last = -(-(computed + num_external_tokens) // self._block_size)
         ids = list(blocks.get_block_ids()[0][first:last])
-        self._pending_loads.append(_Transfer(str(params[KV_PATH]), ids, first_block=first))
+        skipped = int(params.get(SKIP_TOKENS, 0)) // self._block_size  # the staged file starts at this block
+        self._pending_loads.append(_Transfer(str(params[KV_PATH]), ids, first_block=first - skipped))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KairosKVMetadata(loads=self._pending_loads)
@@ -168,13 +197,16 @@ class KairosKVConnector(KVConnectorBase_V1):
         for new in scheduler_output.scheduled_new_reqs:
             params = (new.sampling_params.extra_args or {}).get("kv_transfer_params") if new.sampling_params else None
             if params and params.get(REMOTE_DECODE):
-                self._watched[new.req_id] = (len(new.prompt_token_ids or ()), list(new.block_ids[0]))
+                prompt_tokens = len(new.prompt_token_ids or ())
+                # whole blocks before the prompt's last token, which the decode node computes itself
+                skip = min(int(params.get(SKIP_TOKENS) or 0), prompt_tokens - 1) // self._block_size
+                self._watched[new.req_id] = _Watched(prompt_tokens, list(new.block_ids[0]), max(0, skip))
                 steps[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if req_id not in self._watched:
                 continue
-            blocks = self._watched[req_id][1]
+            blocks = self._watched[req_id].block_ids
             if req_id in cached.resumed_req_ids:  # after a preemption the request has all new blocks
                 blocks.clear()
             new_blocks = cached.new_block_ids[i]
@@ -182,17 +214,20 @@ class KairosKVConnector(KVConnectorBase_V1):
                 blocks.extend(new_blocks[0])
             steps[req_id] = cached.num_computed_tokens[i]
         for req_id, computed in steps.items():
-            prompt_len, blocks = self._watched[req_id]
+            watched = self._watched[req_id]
+            prompt_len = watched.prompt_tokens
             if computed < prompt_len <= computed + scheduler_output.num_scheduled_tokens.get(req_id, 0):
-                # the step that computes the prompt's last chunk: stage every block the prompt fills
-                prompt_blocks = blocks[: -(-prompt_len // self._block_size)]
+                # the step that computes the prompt's last chunk: stage the blocks the prompt fills, but those
+                # the decode node holds
+                prompt_blocks = watched.block_ids[watched.skip_blocks : -(-prompt_len // self._block_size)]
                 meta.saves.append(_Transfer(self._staged_path(req_id), prompt_blocks, req_id))
                 self._staging.add(req_id)
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._local_hits.pop(request.request_id, None)
-        if self._watched.pop(request.request_id, None) is None:
+        watched = self._watched.pop(request.request_id, None)
+        if watched is None:
             return False, None
         staged = request.request_id in self._staging
         self._staging.discard(request.request_id)
@@ -200,7 +235,8 @@ class KairosKVConnector(KVConnectorBase_V1):
         # frees them once the decode node has the KV; a request aborted before its KV was staged has nothing
         # to wait for.
         path = self._staged_path(request.request_id)
-        return self._hold and staged, {KV_PATH: path, KV_TOKENS: request.num_prompt_tokens}
+        skipped = watched.skip_blocks * self._block_size
+        return self._hold and staged, {KV_PATH: path, KV_TOKENS: request.num_prompt_tokens, SKIP_TOKENS: skipped}
 
     # ---- worker side ----------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ from kairos_ray.kv.transport import KVBytes
 KV_PATH = "kairos_kv"  # kv_transfer_params key: the staged path (without the rank suffix)
 KV_TOKENS = "num_tokens"  # kv_transfer_params key: prompt tokens whose KV was staged
 REMOTE_DECODE = "do_remote_decode"  # kv_transfer_params key set by the caller of a producer
+SKIP_TOKENS = "kairos_skip_tokens"  # kv_transfer_params key: leading prompt tokens not staged (the receiver has them)
 HOLD_KEY = "hold_blocks_until_taken"  # kv_connector_extra_config: producer keeps blocks until the KV is taken
 TAKEN = ".taken"  # suffix of the marker the engine leaves once the decode node has a staged file's KV
 
@@ -128,9 +129,15 @@ def staged_files(prefix: str) -> list[tuple[int, str]]:
     return [(int(path[len(prefix) + len(".rank") : -len(".pt")]), path) for path in paths]
 
 
-def remote_decode_params() -> dict[str, Any]:
-    """The ``kv_transfer_params`` every P/D connector understands: prefill here, decode elsewhere."""
+def remote_decode_params(receiver_cached_tokens: int = 0) -> dict[str, Any]:
+    """The ``kv_transfer_params`` every P/D connector understands: prefill here, decode elsewhere.
+
+    ``receiver_cached_tokens``: leading prompt tokens the decode node's prefix cache holds; the Kairos
+    connector does not stage their blocks (other connectors ignore the key).
+    """
     params: dict[str, Any] = {REMOTE_DECODE: True, "do_remote_prefill": False}
+    if receiver_cached_tokens > 0:
+        params[SKIP_TOKENS] = receiver_cached_tokens
     return params | dict.fromkeys(("remote_engine_id", "remote_block_ids", "remote_host", "remote_port"))
 
 
@@ -162,13 +169,16 @@ class Staging:
             raise FileNotFoundError(f"no staged KV at {prefix}")
         return payload
 
-    def stage(self, name: str, payload: KVBytes, prompt_tokens: int) -> dict[str, Any]:
-        """Write received KV for the decode node's connector; the ``kv_transfer_params`` that load it."""
+    def stage(self, name: str, payload: KVBytes, prompt_tokens: int, skipped_tokens: int = 0) -> dict[str, Any]:
+        """Write received KV for the decode node's connector; the ``kv_transfer_params`` that load it.
+
+        ``skipped_tokens``: the leading prompt tokens whose blocks the producer left out (``SKIP_TOKENS``).
+        """
         prefix = os.path.join(self.directory, name)
         for rank, data in payload.items():
             with open_private(rank_path(prefix, int(rank)), "wb") as f:
                 f.write(data)
-        return {KV_PATH: prefix, KV_TOKENS: prompt_tokens}
+        return {KV_PATH: prefix, KV_TOKENS: prompt_tokens, SKIP_TOKENS: skipped_tokens}
 
     @staticmethod
     def discard(params: dict[str, Any] | None) -> None:

@@ -78,6 +78,7 @@ class RouteTaken:
     breakdown: TTFTBreakdown  # adds up to ttft_s
     attempts: int = 1  # tries it took to the first token
     cached_tokens: int = 0  # prompt tokens the prefilling node's prefix cache held (not computed)
+    kv_bytes: int = 0  # bytes of KV the hand-off carried (0 when deflected or moved by another vLLM connector)
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,7 +280,11 @@ class RequestRun:
         if decision.route is Route.DEFLECT:
             request = dataclasses.replace(request, chunk_schedule=decision.chunk_schedule)
         else:
-            request = dataclasses.replace(request, kv_receiver=decision.decode_node or "")
+            request = dataclasses.replace(
+                request,
+                kv_receiver=decision.decode_node or "",
+                kv_receiver_cached_tokens=decision.receiver_cached_tokens,
+            )
             call = apart(pools.prefill.prefill.remote, request, node=decision.prefill_node, avoid=avoid)
             self._calls = [call]
             try:
@@ -331,6 +336,7 @@ class RequestRun:
             breakdown=breakdown,
             attempts=self.attempts,
             cached_tokens=handoff.cached_tokens if handoff else first.cached_tokens,
+            kv_bytes=handoff.kv_bytes if handoff else 0,
         )
 
     def _abandon(self, failed: _NodeFailed) -> None:

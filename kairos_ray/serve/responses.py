@@ -65,6 +65,7 @@ def route_field(route: RouteTaken) -> dict[str, Any]:
         "reason": route.reason,
         "fallback": route.fallback,
         "cached_tokens": route.cached_tokens,
+        "kv_bytes": route.kv_bytes,
     }
 
 

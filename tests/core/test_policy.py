@@ -278,9 +278,14 @@ def test_a_disaggregated_request_goes_where_most_headroom_is_left_counting_the_b
     decision = make_policy("pd+prefix", AWARE, CONTEXT).decide(6500, view, hits)
     # the holder needs room for 3500 tokens only: 10,000 + 3,000 left beats 12,000
     assert (decision.prefill_node, decision.decode_node, decision.cached_prompt_tokens) == ("p1", "holder", 2048)
+    assert decision.receiver_cached_tokens == 3000  # the hand-off leaves out the holder's 3000 tokens
     queued = apply_decision(view, 6500, decision).prefill[1]
     assert (queued.queued_prompt_tokens, queued.queued_cached_tokens) == ((4452,), (2048,))
-    assert make_policy("pd+blind", AWARE, CONTEXT).decide(6500, view, hits).decode_node == "roomy"
+    blind = make_policy("pd+blind", AWARE, CONTEXT).decide(6500, view, hits)
+    assert (blind.decode_node, blind.receiver_cached_tokens) == ("roomy", 0)  # it holds nothing of the prompt
+    # priced cache-blind, a hand-off to the holder still leaves out what it holds
+    only_holder = ClusterView(view.prefill, (view.decode[1],))
+    assert make_policy("pd+blind", AWARE, CONTEXT).decide(6500, only_holder, hits).receiver_cached_tokens == 3000
     # loaded by more than it holds, the holder gives way: conversations do not pile onto one node
     busier = ClusterView(view.prefill, (view.decode[0], DecodeNodeView("holder", 0, 0, 8_000)))
     assert make_policy("pd+prefix", AWARE, CONTEXT).decide(6500, busier, hits).decode_node == "roomy"

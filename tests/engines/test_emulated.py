@@ -5,6 +5,7 @@ at 1/20 of the emulated A100's time so that tests stay short.
 """
 
 import asyncio
+import dataclasses
 import math
 import time
 
@@ -199,3 +200,37 @@ def test_a_decode_node_reports_its_cache_and_the_next_turn_computes_only_its_new
     assert events[0].cached_tokens == cached
     chunks = [step.chunk_tokens for s in states for step in s.steps if step.chunk_tokens]
     assert chunks == [2048, 952, len(history) + 100 - cached]  # the second turn: only what the cache lacked
+
+
+def test_a_hand_off_to_a_node_holding_the_history_carries_only_the_rest():
+    async def scenario():
+        prefill, decode = engine(Role.PREFILL, []), engine(Role.DECODE, [])
+        await prefill.start()
+        await decode.start()
+        try:
+            first = EngineRequest(13, 3000, 65, time.time(), chunk_schedule=(2048, 952), prompt_token_ids=PROMPT)
+            answer = tuple(e.token_id for e in await collect(decode, first, None))
+            turn = (*PROMPT, *answer[:-1], *range(500, 600))
+            cached = (3000 + 64) // BLOCK_TOKENS * BLOCK_TOKENS  # what the decode node holds of the turn
+            second = EngineRequest(
+                14, len(turn), 5, time.time(), prompt_token_ids=turn, kv_receiver_cached_tokens=cached
+            )
+            handoff = await prefill.prefill(second)
+            events = await collect(decode, second, handoff)
+            prefill.release(second.request_id)
+            # told it holds the whole turn, a node that does not recomputes it rather than decode without its KV
+            third = EngineRequest(15, 400, 3, time.time(), prompt_token_ids=tuple(range(7000, 7400)))
+            overstated = await prefill.prefill(dataclasses.replace(third, kv_receiver_cached_tokens=400))
+            recomputed = await collect(decode, third, overstated)
+            prefill.release(third.request_id)
+            return turn, cached, handoff, events, recomputed, decode.kv_recomputes
+        finally:
+            await prefill.shutdown()
+            await decode.shutdown()
+
+    turn, cached, handoff, events, recomputed, recomputes = asyncio.run(scenario())
+    assert handoff.skipped_tokens == cached
+    assert handoff.kv_bytes == math.ceil((len(turn) - cached) * HARDWARE.kv_bytes_per_token / KV_SCALE)
+    assert [e.token_id for e in events] == [token_id(14, i) for i in range(5)]
+    assert events[0].breakdown.kv_transfer_s >= 0 and recomputes == 1
+    assert [e.token_id for e in recomputed] == [token_id(15, i) for i in range(3)]

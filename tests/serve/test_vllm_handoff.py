@@ -1,0 +1,61 @@
+"""A partly cached prompt's hand-off on real vLLM CPU engines (``serve_configs/2p2d-cpu.yaml``, policy ``pd``).
+
+When a disaggregated request's decode node already holds the start of its
+prompt (a conversation's history), the prefill node's connector stages only
+the blocks after it: only those travel, and the decode node loads them after
+its own prefix-cache hit. The tokens must be those of a hand-off that carries
+the whole prompt.
+"""
+
+import random
+
+import httpx
+import pytest
+
+from tests.serve.conftest import running_app, wait_for_prefix
+from tests.serve.test_args import args_of
+
+MODEL = "tiny-llama"
+BLOCK_TOKENS = 128  # vLLM's block size on the CPU
+VOCAB = 1024  # the tiny model's
+
+
+@pytest.fixture(scope="module")
+def pd_app():
+    """The shipped 2P2D CPU app, every request disaggregated (prefix-aware ``pd``): (base URL, metrics URL)."""
+    args = args_of("2p2d-cpu.yaml")
+    args["kairos"]["policy"]["name"] = "pd"
+    with running_app(args, MODEL, ready_within_s=420) as urls:
+        yield urls
+
+
+def completion(url: str, prompt: list[int], max_tokens: int, **extra) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True, **extra}  # fmt: skip
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_a_hand_off_to_the_decode_node_holding_the_history_carries_only_the_rest(pd_app):
+    url, _ = pd_app
+    rng = random.Random(17)
+    prompt = rng.choices(range(VOCAB), k=600)
+    first = completion(url, prompt, max_tokens=200)
+    holder = first.headers["x-kairos-decode-node"]
+    history = prompt + first.json()["choices"][0]["token_ids"]
+    turn = history + rng.choices(range(VOCAB), k=60)  # the history, then the next message
+    cached = (len(history) - 1) // BLOCK_TOKENS * BLOCK_TOKENS  # the KV of all but the last answer token
+    wait_for_prefix(holder, turn, BLOCK_TOKENS, cached)
+
+    partial = completion(url, turn, max_tokens=16)
+    kairos = partial.json()["kairos"]
+    assert (kairos["route"], kairos["decode_node"]) == ("prefill", holder), kairos["reason"]
+    # salted, no cache holds any of it: the whole prompt's KV travels
+    whole = completion(url, turn, max_tokens=16, cache_salt="cold")
+    assert whole.json()["kairos"]["route"] == "prefill"
+    tokens = [r.json()["choices"][0]["token_ids"] for r in (partial, whole)]
+    assert tokens[0] == tokens[1]  # the held blocks and the sent ones make the same KV
+    # 1 of the prompt's 7 blocks travelled (the 6 the holder has were left out), against all 7
+    sent, carried = kairos["kv_bytes"], whole.json()["kairos"]["kv_bytes"]
+    assert 0 < sent * 4 < carried, (sent, carried)
