@@ -47,7 +47,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -276,9 +276,8 @@ class StepLatencyModel:
         if bad:
             raise ValueError(f"step-latency coefficients must be finite numbers: {', '.join(bad)}")
         tile = data["tile_tokens"] if "tile_tokens" in names else 1
-        if not float(tile).is_integer() or tile < 1:
-            raise ValueError(f"tile_tokens must be an integer >= 1, got {tile!r}")
-        return cls(**{n: float(data[n]) for n in names if n != "tile_tokens"}, tile_tokens=int(tile))
+        tile = int(tile) if float(tile).is_integer() else tile  # JSON may write 128 as 128.0; __post_init__ checks
+        return cls(**{n: float(data[n]) for n in names if n != "tile_tokens"}, tile_tokens=tile)
 
     @classmethod
     def load(cls, path: str | Path) -> StepLatencyModel:
@@ -289,9 +288,14 @@ class StepLatencyModel:
             raise ValueError(f"{path}: {exc}") from exc
 
 
-def tiles(chunk_tokens: float, tile_tokens: int) -> float:
-    """The chunk rounded up to whole tiles: the prefill tokens the linear layers compute."""
-    return chunk_tokens if tile_tokens == 1 else math.ceil(chunk_tokens / tile_tokens) * tile_tokens
+@overload
+def tiles(chunk_tokens: float, tile_tokens: int) -> float: ...
+@overload
+def tiles(chunk_tokens: FloatArray, tile_tokens: int) -> FloatArray: ...
+def tiles(chunk_tokens: float | FloatArray, tile_tokens: int) -> float | FloatArray:
+    """The chunk (a number or an array of them) rounded up to whole tiles: the prefill tokens the linear layers
+    compute."""
+    return chunk_tokens if tile_tokens == 1 else -(-chunk_tokens // tile_tokens) * tile_tokens
 
 
 def features(
@@ -309,5 +313,4 @@ def features(
         np.asarray(prefix_tokens, dtype=float),
     )
     p = np.where(chi > 0, p, 0.0)
-    padded = chi if tile_tokens == 1 else np.ceil(chi / tile_tokens) * tile_tokens
-    return np.stack([np.ones_like(b), b, k, padded, chi * k, chi * chi, chi * p, p, b * b], axis=-1)
+    return np.stack([np.ones_like(b), b, k, tiles(chi, tile_tokens), chi * k, chi * chi, chi * p, p, b * b], axis=-1)
