@@ -184,7 +184,9 @@ class _BasePolicy:
         decision = self._decide(prompt_tokens, view, hits if self.params.prefix_aware else None)
         if hits is not None and decision.route is Route.PREFILL and decision.decode_node is not None:
             # the hand-off leaves out what its decode node holds, whether or not the estimates priced it
-            decision = replace(decision, receiver_cached_tokens=hits.at(decision.decode_node))
+            held = hits.at(decision.decode_node)
+            if held:
+                decision = replace(decision, receiver_cached_tokens=held)
         return decision
 
     def _decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> Decision:

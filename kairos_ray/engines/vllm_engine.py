@@ -400,11 +400,11 @@ class VllmEngine:
             raise RuntimeError(f"prefill of request {rid} returned no kv_transfer_params")
         queue_s, exec_s = _prefill_times(final.metrics)
         kv_params: dict[str, Any] = final.kv_transfer_params
-        skipped = int(kv_params.get(SKIP_TOKENS, 0))
         if self.connector != KAIROS_CONNECTOR:  # another connector's hand-off: its parameters
             kv, transport = await self.kv.hand_off(rid, kv_params, request.kv_receiver)
             kv_bytes = skipped = 0
         else:
+            skipped = int(kv_params.get(SKIP_TOKENS, 0))
             payload = self.staging.collect(kv_params)
             kv_bytes = sum(len(b) for b in payload.values())
             if self._holds:

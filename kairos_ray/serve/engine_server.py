@@ -131,7 +131,10 @@ class EngineServer:
             outbox.fail(key, f"{type(exc).__name__}: {exc}")
 
     def _outbox(self, listener: str) -> Outbox:
-        return self._outboxes.setdefault(listener, Outbox())
+        outbox = self._outboxes.get(listener)
+        if outbox is None:  # a new listener only: no Outbox built per call
+            outbox = self._outboxes[listener] = Outbox()
+        return outbox
 
     async def cancel(self, request_id: int, attempt: int, node: str | None = None) -> None:
         """The request's client went away (or it moved on): stop generating it here."""
