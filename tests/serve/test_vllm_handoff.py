@@ -7,17 +7,11 @@ its own prefix-cache hit. The tokens must be those of a hand-off that carries
 the whole prompt.
 """
 
-import random
-
-import httpx
 import pytest
 
-from tests.serve.conftest import running_app, wait_for_prefix
+from tests.serve.conftest import running_app
 from tests.serve.test_args import args_of
-
-MODEL = "tiny-llama"
-BLOCK_TOKENS = 128  # vLLM's block size on the CPU
-VOCAB = 1024  # the tiny model's
+from tests.serve.test_vllm_prefix import MODEL, completion, next_turn
 
 
 @pytest.fixture(scope="module")
@@ -29,25 +23,9 @@ def pd_app():
         yield urls
 
 
-def completion(url: str, prompt: list[int], max_tokens: int, **extra) -> httpx.Response:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True, **extra}  # fmt: skip
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
-    assert r.status_code == 200, r.text
-    return r
-
-
 def test_a_hand_off_to_the_decode_node_holding_the_history_carries_only_the_rest(pd_app):
     url, _ = pd_app
-    rng = random.Random(17)
-    prompt = rng.choices(range(VOCAB), k=600)
-    first = completion(url, prompt, max_tokens=200)
-    holder = first.headers["x-kairos-decode-node"]
-    history = prompt + first.json()["choices"][0]["token_ids"]
-    turn = history + rng.choices(range(VOCAB), k=60)  # the history, then the next message
-    cached = (len(history) - 1) // BLOCK_TOKENS * BLOCK_TOKENS  # the KV of all but the last answer token
-    wait_for_prefix(holder, turn, BLOCK_TOKENS, cached)
-
+    holder, turn, _ = next_turn(url, seed=17)
     partial = completion(url, turn, max_tokens=16)
     kairos = partial.json()["kairos"]
     assert (kairos["route"], kairos["decode_node"]) == ("prefill", holder), kairos["reason"]

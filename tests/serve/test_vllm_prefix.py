@@ -28,17 +28,19 @@ def shipped_app():
         yield urls
 
 
-def completion(url: str, prompt: list[int], max_tokens: int) -> httpx.Response:
+def completion(url: str, prompt: list[int], max_tokens: int, **extra) -> httpx.Response:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True}  # fmt: skip
+            "return_token_ids": True, **extra}  # fmt: skip
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
     assert r.status_code == 200, r.text
     return r
 
 
-def test_a_conversation_s_next_turn_goes_to_the_decode_node_holding_its_history(shipped_app):
-    url, _ = shipped_app
-    rng = random.Random(16)
+def next_turn(url: str, seed: int) -> tuple[str, list[int], int]:
+    """(holder, turn, cached): a conversation's first turn (600 tokens, a 200-token answer) served, its next turn
+    (that history and 60 new tokens), and the history's tokens its decode node holds once the router's mirror shows
+    them."""
+    rng = random.Random(seed)
     prompt = rng.choices(range(VOCAB), k=600)
     first = completion(url, prompt, max_tokens=200)
     holder = first.headers["x-kairos-decode-node"]
@@ -47,6 +49,12 @@ def test_a_conversation_s_next_turn_goes_to_the_decode_node_holding_its_history(
     cached = (len(history) - 1) // BLOCK_TOKENS * BLOCK_TOKENS  # the KV of all but the last answer token
     assert cached >= 5 * BLOCK_TOKENS
     wait_for_prefix(holder, turn, BLOCK_TOKENS, cached)
+    return holder, turn, cached
+
+
+def test_a_conversation_s_next_turn_goes_to_the_decode_node_holding_its_history(shipped_app):
+    url, _ = shipped_app
+    holder, turn, cached = next_turn(url, seed=16)
     second = completion(url, turn, max_tokens=8)
     kairos = second.json()["kairos"]
     assert (kairos["route"], kairos["decode_node"]) == ("deflect", holder), kairos["reason"]
