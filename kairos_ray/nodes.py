@@ -16,7 +16,9 @@ idle), the driver lets the step's time pass (a heap event, or a sleep), then
   and the job joins the batch. Every running job emits one token per step, so
   its TBT gaps are the durations of the node's steps it was in. An optional
   ``guard`` re-checks each planned chunk against the batch of the moment
-  (``core.sweep.largest_safe_chunk``).
+  (``core.sweep.largest_safe_chunk``). A job bound for the node (``assign``:
+  from the router's decision in the simulator, from its KV's arrival in an
+  engine) counts in its view as incoming until it joins the batch.
 
 A step's time is the driver's to price (Eq. 4): a prefill node's chunk
 attends over the head job's prefilled context (the first element of
@@ -224,6 +226,8 @@ class DecodeNode:
     finished: list[Job] = field(default_factory=list)  # finished in the last end_step
     durations: list[float] = field(default_factory=list)  # every step's duration, index = step
     num_cached: int = 0  # committed deflections with a cache hit (the view lists hits only when some are)
+    num_incoming: int = 0  # assigned jobs not in the batch yet (on their way or in ``waiting``)
+    incoming_kv_tokens: int = 0  # the KV they will reserve when they join: prompt and output
 
     @property
     def used_kv_tokens(self) -> int:
@@ -244,6 +248,8 @@ class DecodeNode:
             committed=committed,
             head_prefilled_tokens=self.deflections[0].prefilled_tokens if self.deflections else 0,
             committed_cached_tokens=tuple(j.cached_tokens for j in self.deflections) if self.num_cached else (),
+            incoming_requests=self.num_incoming,
+            incoming_kv_tokens=self.incoming_kv_tokens,
         )
 
     def deflect(self, job: Job) -> None:
@@ -268,15 +274,24 @@ class DecodeNode:
             job.handoff_cached_tokens = _take_hit(self.cache, job)
         return job.prompt_tokens - job.handoff_cached_tokens
 
+    def assign(self, job: Job) -> None:
+        """A disaggregated job is bound for this node: it counts as incoming until it joins the batch."""
+        self._count_incoming(job, 1)
+
     def transferred(self, job: Job, now: float) -> None:
-        """A disaggregated job's KV has arrived; it joins the batch at a step start."""
+        """An assigned job's KV has arrived; it joins the batch at a step start."""
         job.kv_ready_s = now
         self.waiting.append(job)
+
+    def _count_incoming(self, job: Job, sign: int) -> None:
+        self.num_incoming += sign
+        self.incoming_kv_tokens += sign * (job.prompt_tokens + job.output_tokens)
 
     def cancel(self, job: Job) -> None:
         """Drop a job: at once while it waits, at the end of the step in flight once it prefills or decodes."""
         if job in self.waiting:
             self.waiting.remove(job)
+            self._count_incoming(job, -1)
             _release(self.cache, job)
         elif job in self.deflections and not (self.busy and self.deflections[0] is job):
             self.deflections.remove(job)
@@ -328,6 +343,7 @@ class DecodeNode:
             if self.used_kv_tokens + need > self.kv_capacity_tokens and self.running:
                 break  # wait for KV to free up (an idle node always takes it: nothing else will free KV)
             self.waiting.popleft()
+            self._count_incoming(job, -1)
             self.reserved_tokens += need
             self.running += 1
             self.kv_tokens += job.prompt_tokens

@@ -235,16 +235,21 @@ class _BasePolicy:
     @staticmethod
     def _handoff_target(view: ClusterView, hits: PrefixHits | None) -> DecodeNodeView:
         """Decode node for a disaggregated request: most KV headroom once it holds the request, then smallest
-        batch.
+        batch, counting in both the hand-offs already bound for it (``DecodeNodeView.incoming_requests``).
 
         Prefix-aware, the blocks a node holds already need no room there (and no transfer): a node holding
         the prompt wins while it is loaded by less than the tokens it holds, so conversations stay with
         their history without piling onto one node (which preferring the holder outright does: every
         request shares the system prompt, and the first node to hold it would take them all).
         """
-        if hits is None:
-            return max(view.decode, key=lambda n: (n.headroom_kv_tokens, -n.batch_size))
-        return max(view.decode, key=lambda n: (n.headroom_kv_tokens + hits.at(n.node_id), -n.batch_size))
+        held = hits.at if hits else lambda node_id: 0
+        return max(
+            view.decode,
+            key=lambda n: (
+                n.headroom_kv_tokens - n.incoming_kv_tokens + held(n.node_id),
+                -n.batch_size - n.incoming_requests,
+            ),
+        )
 
     def _to_prefill(
         self,

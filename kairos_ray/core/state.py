@@ -11,6 +11,15 @@ not hold: queued prompts and committed schedules count uncached tokens, and
 ``queued_cached_tokens`` / ``committed_cached_tokens`` give the cached
 context each one starts from (the first chunk's own prefix P in Eq. 4). Both
 are empty when nothing cached is queued, so a cold view is what it always was.
+
+A decode node also counts the hand-offs bound for it that are not decoding
+yet (``incoming_requests``: in a prefill queue, prefilling, in KV transfer,
+or waiting for a slot) and the KV they will reserve there
+(``incoming_kv_tokens``): they will join its batch, so a router choosing
+where to send the next hand-off must see them. Nothing else counts them:
+the decode node's Eq. 5 guard checks each chunk against the batch it runs
+in, so Eq. 5 and 6 price B_n as it is now, and a deflection's KV room is
+what is free now (a hand-off may wait in a prefill queue for minutes).
 """
 
 from __future__ import annotations
@@ -58,6 +67,8 @@ class DecodeNodeView:
     # per committed deflection, its prompt tokens this node's cache held (() if none); they join kv_tokens with
     # the deflection's first chunk, so K counts the head's once head_prefilled_tokens > 0
     committed_cached_tokens: tuple[int, ...] = ()
+    incoming_requests: int = 0  # prefill-routed requests bound here, not decoding yet: they will join B_n
+    incoming_kv_tokens: int = 0  # the KV they will reserve here when they join: prompt and output
 
     @property
     def committed_tokens(self) -> int:
@@ -101,13 +112,17 @@ def apply_decision(view: ClusterView, prompt_tokens: int, decision: Decision, ou
     """The view after ``decision`` is dispatched, before any engine reports back.
 
     A prefill-routed request joins the tail of its prefill node's FIFO with
-    the tokens its cache does not hold; a deflected one commits its chunk
-    schedule (the uncached suffix) to its decode node, behind the deflections
-    already there, and reserves KV for its ``output_tokens`` there at once
-    (its new prompt KV is the schedule itself), as a decode node does when it
-    takes the request. The cached prefix (``decision.cached_prompt_tokens``)
-    is charged nowhere: it is in the node's cache already, so charging it
-    would count it twice. A hit on blocks no request holds takes them off the
+    the tokens its cache does not hold, and its decode node's incoming
+    hand-offs, with the KV it will reserve there for its prompt and output
+    when it joins the batch (the prompt's blocks that node holds included:
+    held by no request, they leave its free list then); a deflected one
+    commits its chunk schedule (the uncached suffix) to its decode node,
+    behind the deflections already there, and reserves KV for its
+    ``output_tokens`` there at once (its new prompt KV is the schedule
+    itself), as a decode node does when it takes the request. The cached
+    prefix (``decision.cached_prompt_tokens``) is charged nowhere on the
+    node that computes the prompt: it is in that node's cache already, so
+    charging it would count it twice. A hit on blocks no request holds takes them off the
     node's free list; the node's next report shows that.
     """
     cached = decision.cached_prompt_tokens
@@ -122,7 +137,17 @@ def apply_decision(view: ClusterView, prompt_tokens: int, decision: Decision, ou
             else node
             for node in view.prefill
         )
-        return replace(view, prefill=prefill)
+        decode = tuple(
+            replace(
+                node,
+                incoming_requests=node.incoming_requests + 1,
+                incoming_kv_tokens=node.incoming_kv_tokens + prompt_tokens + output_tokens,
+            )
+            if node.node_id == decision.decode_node
+            else node
+            for node in view.decode
+        )
+        return ClusterView(prefill, decode)
     decode = tuple(
         replace(
             node,

@@ -343,6 +343,7 @@ class EmulatedEngine:
                     kv_transfer_s=max(0.0, time.time() - handoff.prefill_end_wall_s),
                 )
                 if received:
+                    self.decode_node.assign(job)  # the router's ledger counted it until now
                     self.decode_node.transferred(job, time.monotonic())
                 else:  # recompute the prompt in place
                     full, rest = divmod(request.prompt_tokens, self.prefill_chunk_tokens)

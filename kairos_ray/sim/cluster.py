@@ -19,7 +19,9 @@ that node's link: one link per decode node, FIFO, a transfer taking ``setup +
 bytes / bandwidth`` after the transfers to the same node ahead of it, so
 bursts build transfer queues.
 
-The view a policy sees is the simulator's exact state, but step times come from
+The view a policy sees is the simulator's exact state, a hand-off counted on its
+decode node from its decision on (``DecodeNode.assign``: through its prefill and
+KV transfer, as the router's ledger counts it), but step times come from
 ``GroundTruth`` times noise, not from the predictor the policy uses. Decode
 nodes re-check each planned chunk when it runs with the policy's own guard
 (``Policy.chunk_guard``: Eq. 5 at run time, for the TBT-aware policies; the
@@ -138,6 +140,7 @@ class ClusterSim:
                 self._start_decode_step(decode)
             return
         assert decision.prefill_node is not None
+        self.decode[job.decode_node].assign(job)  # bound for it from the decision on, as in the router's ledger
         job.prefill_node = self._index[decision.prefill_node]
         prefill = self.prefill[job.prefill_node]
         prefill.enqueue(job)

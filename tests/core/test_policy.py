@@ -100,6 +100,27 @@ def test_pd_never_deflects_and_picks_least_wait_and_most_headroom():
     assert (decision.prefill_node, decision.decode_node) == ("p-idle", "d-roomy")
 
 
+def test_a_hand_off_counts_on_its_decode_node_until_it_joins_so_a_burst_spreads_out():
+    view = ClusterView(
+        (PrefillNodeView("p0"),),
+        (DecodeNodeView("d0", 4, 0, 20_000), DecodeNodeView("d1", 4, 0, 15_000)),
+    )
+    pd = make_policy("pd", SMALL, SIMPLE)
+    first = pd.decide(6000, view)
+    assert first.decode_node == "d0"  # 20,000 free beats 15,000
+    after = apply_decision(view, 6000, first, output_tokens=500)
+    d0 = after.decode[0]
+    # no engine has it yet (a prefill queue, then a KV transfer), but it will take 6,000 + 500 tokens of d0's KV
+    assert (d0.batch_size, d0.incoming_requests, d0.incoming_kv_tokens, d0.free_kv_tokens) == (4, 1, 6_500, 20_000)
+    assert after.decode[1] == view.decode[1]
+    assert pd.decide(6000, after).decode_node == "d1"  # 15,000 > 20,000 - 6,500: a burst spreads out
+    # at equal headroom the smaller batch wins, counting the requests bound for it: 4 + 1 > 4
+    even = ClusterView(view.prefill, (replace(d0, free_kv_tokens=21_500), view.decode[1]))
+    assert pd.decide(6000, even).decode_node == "d1"
+    # a deflection's KV room is what is free now: the hand-off may wait in a prefill queue for long
+    assert kairos().decide(100, ClusterView(VIEW.prefill, (replace(IDLE_DECODE, incoming_kv_tokens=10_000),))).deflected
+
+
 def test_sq_deflects_on_queue_length_without_tbt_check():
     overloaded = DecodeNodeView("d0", batch_size=50, kv_tokens=0, free_kv_tokens=10_000)
     view = ClusterView((PrefillNodeView("p0", (300, 100)),), (overloaded,))

@@ -95,6 +95,12 @@ def test_transfers_to_one_decode_node_share_its_link():
     assert sorted([first.kv_transfer_s, second.kv_transfer_s]) == pytest.approx([0.2, 0.4])
 
 
+def test_a_burst_of_hand_offs_spreads_over_the_decode_nodes():
+    # each one is bound for its decode node from its decision on, through its prefill and KV transfer
+    records = simulate("pd", [(0.0, 100, 5)] * 4, num_prefill=2, num_decode=2).records
+    assert [r.decode_node for r in records] == ["decode-0", "decode-1", "decode-0", "decode-1"]
+
+
 def test_decode_queue_waits_for_a_batch_slot():
     full = replace(HW, max_batch_size=1)
     first, second = simulate("pd", [(0.0, 100, 5), (0.0, 100, 5)], num_prefill=2, hardware=full).records

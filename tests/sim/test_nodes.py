@@ -54,6 +54,24 @@ def test_a_hand_off_carries_only_the_blocks_the_decode_node_lacks():
     assert node.expect(Job(1, 0.0, 230, 5, block_hashes=(1, 2, 3, 4))) == 130
 
 
+def test_an_assigned_hand_off_counts_on_its_decode_node_until_it_joins_the_batch():
+    node = DecodeNode("d", kv_capacity_tokens=10_000, max_batch_size=8)
+    job = Job(0, 0.0, 1000, 50)
+    node.assign(job)  # decided: its prefill and KV transfer are still to come
+    view = node.view()
+    assert (view.batch_size, view.incoming_requests, view.incoming_kv_tokens, view.free_kv_tokens) == (
+        0,
+        1,
+        1050,
+        10_000,
+    )
+    node.transferred(job, 0.5)  # waiting for a step start
+    assert (node.view().incoming_requests, node.view().incoming_kv_tokens) == (1, 1050)
+    assert node.begin_step(0.5) == (1, 1000, 0)
+    view = node.view()
+    assert (view.batch_size, view.incoming_requests, view.incoming_kv_tokens, view.free_kv_tokens) == (1, 0, 0, 8_950)
+
+
 def test_a_prefill_node_computes_the_uncached_suffix_and_keeps_the_prompt():
     node = PrefillNode("p", 100, cache=BlockCache(50), kv_capacity_tokens=10_000)
     first = Job(0, 0.0, 150, 1, block_hashes=(1, 2, 3))
