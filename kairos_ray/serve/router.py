@@ -11,7 +11,11 @@ cluster is built from two sources:
   top with ``core.apply_decision``, so a burst sees its own earlier decisions at
   once. An engine acknowledges a request by listing its id in
   ``accepted_request_ids``; an entry older than ``pending_ttl_s`` is dropped in
-  any case.
+  any case. A prefill-routed request stays on its decode node's part of the
+  ledger (``DecodeNodeView.incoming_requests``) until that node acknowledges
+  it, once its KV has arrived: through its prefill and KV transfer no engine
+  reports it there, yet it is bound for that node's batch. That part is
+  dropped after ``handoff_ttl_s`` in any case.
 
 Nodes join by reporting (pools scale) and leave when they have not reported
 for ``node_timeout_s`` (engines send a heartbeat every second when idle), or
@@ -76,7 +80,7 @@ class MissingState(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class _Pending:
-    """A decision no engine has acknowledged yet."""
+    """A decision no engine (or, for a prefill-routed one's hand-off, no decode node) has acknowledged yet."""
 
     prompt_tokens: int
     output_tokens: int
@@ -90,17 +94,21 @@ class RouterState:
     The view with the ledger applied is kept between decisions and updated by
     each decision (``apply_decision``: O(1) per decision). A report, an
     acknowledgement or an expired entry marks only its node for rebuilding:
-    that node's report plus its own ledger entries (each decision touches one
-    node: its prefill node, or the decode node it is deflected to). A node
+    that node's report plus its own ledger entries (a decision touches the
+    node it sends its request to, its prefill node or the decode node it is
+    deflected to, and a prefill-routed one its decode node too). A node
     joining or leaving rebuilds the whole view.
     """
 
-    def __init__(self, policy: Policy, pending_ttl_s: float = 2.0, node_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, policy: Policy, pending_ttl_s: float = 2.0, node_timeout_s: float = 5.0, handoff_ttl_s: float = 30.0
+    ) -> None:
         self.policy = policy
-        self.pending_ttl_s, self.node_timeout_s = pending_ttl_s, node_timeout_s
+        self.pending_ttl_s, self.node_timeout_s, self.handoff_ttl_s = pending_ttl_s, node_timeout_s, handoff_ttl_s
         self.states: dict[str, NodeState] = {}  # node id -> its last report
         self.received: dict[str, float] = {}  # node id -> monotonic time of its last report
         self.pending: dict[int, _Pending] = {}  # request id -> its undelivered decision, oldest first
+        self.handoffs: dict[int, _Pending] = {}  # request id -> its prefill-routed decision, until its decode node
         self._pending_at: dict[str, dict[int, _Pending]] = {}  # node id -> the ledger entries that touch it
         self._view: ClusterView | None = None  # reports + ledger, while nothing changed but decisions
         self._stale: set[str] = set()  # nodes whose part of ``_view`` must be rebuilt
@@ -110,9 +118,12 @@ class RouterState:
 
     def report(self, state: NodeState, now: float) -> None:
         """Take a node's report; a node that reports itself unhealthy leaves the view at once."""
+        node = state.node_id
         for rid in state.accepted_request_ids:
             self._drop(rid)
-        node = state.node_id
+            handoff = self.handoffs.get(rid)
+            if handoff is not None and handoff.decision.decode_node == node:
+                self._drop_handoff(rid)
         if not state.healthy:
             self.states.pop(node, None)
             self.received.pop(node, None)
@@ -169,21 +180,37 @@ class RouterState:
         """Take a request's entry off the ledger (acknowledged, expired or replaced by a retry)."""
         entry = self.pending.pop(rid, None)
         if entry is not None:
-            node = _touched(entry.decision)
-            self._pending_at[node].pop(rid, None)
-            self._stale.add(node)
+            self._unmark(rid, _sent_to(entry.decision))
+
+    def _drop_handoff(self, rid: int) -> None:
+        """Take a prefill-routed request off its decode node's part of the ledger."""
+        entry = self.handoffs.pop(rid, None)
+        if entry is not None:
+            self._unmark(rid, _handed_to(entry.decision))
+
+    def _unmark(self, rid: int, node: str) -> None:
+        self._pending_at[node].pop(rid, None)
+        self._stale.add(node)
 
     def _add(self, rid: int, entry: _Pending) -> None:
         self.pending[rid] = entry
-        self._pending_at.setdefault(_touched(entry.decision), {})[rid] = entry
+        self._pending_at.setdefault(_sent_to(entry.decision), {})[rid] = entry
+        if entry.decision.route is Route.PREFILL:
+            self.handoffs[rid] = entry
+            self._pending_at.setdefault(_handed_to(entry.decision), {})[rid] = entry
 
     def _expire(self, now: float) -> None:
-        """Drop ledger entries no engine acknowledged within ``pending_ttl_s`` (oldest first)."""
-        while self.pending:
-            rid, oldest = next(iter(self.pending.items()))
-            if now - oldest.decided_s <= self.pending_ttl_s:
-                return
-            self._drop(rid)
+        """Drop ledger entries no engine acknowledged within ``pending_ttl_s``, and hand-offs no decode node
+        acknowledged within ``handoff_ttl_s`` (oldest first)."""
+        for entries, ttl_s, drop in (
+            (self.pending, self.pending_ttl_s, self._drop),
+            (self.handoffs, self.handoff_ttl_s, self._drop_handoff),
+        ):
+            while entries:
+                rid, oldest = next(iter(entries.items()))
+                if now - oldest.decided_s <= ttl_s:
+                    break
+                drop(rid)
 
     def _node_view(self, node: str) -> PrefillNodeView | DecodeNodeView:
         """A node's last report with its own ledger entries applied, oldest first."""
@@ -238,19 +265,28 @@ class RouterState:
         view, staleness = self.view(now, avoid)
         decision = self.policy.decide(prompt_tokens, view, self.hits(block_ids or {}, prompt_tokens))
         self._drop(request_id)  # a retry replaces its request's earlier entry
+        self._drop_handoff(request_id)
         self._add(request_id, _Pending(prompt_tokens, output_tokens, decision, now))
         if not self._stale and self._view is not None:
             self._view = apply_decision(self._view, prompt_tokens, decision, output_tokens)
         else:
-            self._stale.add(_touched(decision))
+            self._stale.add(_sent_to(decision))
+            if decision.route is Route.PREFILL:
+                self._stale.add(_handed_to(decision))
         return decision, staleness
 
 
-def _touched(decision: Decision) -> str:
-    """The one node whose view a decision changes (``apply_decision``): its prefill node, or its decode node."""
+def _sent_to(decision: Decision) -> str:
+    """The node a decision sends its request to: its prefill node, or the decode node it is deflected to."""
     node = decision.prefill_node if decision.route is Route.PREFILL else decision.decode_node
     assert node is not None, "a decision names the node it sends its request to"
     return node
+
+
+def _handed_to(decision: Decision) -> str:
+    """The decode node a prefill-routed decision hands its request to."""
+    assert decision.decode_node is not None, "a decision names its decode node"
+    return decision.decode_node
 
 
 class RouterActor:

@@ -77,6 +77,29 @@ def test_a_deflection_in_the_ledger_commits_its_schedule_and_reserves_its_output
     assert node.committed == () and node.free_kv_tokens == 96_500
 
 
+def test_a_hand_off_stays_on_its_decode_node_s_ledger_until_that_node_has_it():
+    router = fresh_router()  # pd
+    router.report(prefill_state("p0", []), now=0.0)
+    router.report(decode_state("d0"), now=0.0)
+    router.report(decode_state("d1"), now=0.0)
+    first, _ = router.decide(1, 8000, 500, now=0.1)
+    assert (first.prefill_node, first.decode_node) == ("p0", "d0")
+    router.report(prefill_state("p0", [8000], accepted=[1]), now=0.2)  # prefilling: no decode node reports it
+    d0 = router.view(now=0.3)[0].decode[0]
+    assert (d0.incoming_requests, d0.incoming_kv_tokens) == (1, 8500)
+    second, _ = router.decide(2, 8000, 500, now=0.3)
+    assert second.decode_node == "d1"  # d0's KV is spoken for
+    router.report(decode_state("d0", batch=1, accepted=[1], free_kv_tokens=991_500), now=0.4)  # its KV arrived
+    d0, d1 = router.view(now=0.5)[0].decode
+    assert (d0.batch_size, d0.incoming_requests, d0.free_kv_tokens) == (1, 0, 991_500)  # from the report alone
+    assert (d1.incoming_requests, d1.incoming_kv_tokens) == (1, 8500)
+    for node in ("d0", "d1"):
+        router.report(decode_state(node), now=30.2)
+    router.report(prefill_state("p0", []), now=30.2)
+    assert router.view(now=30.2)[0].decode[1].incoming_requests == 1  # its prefill and transfer may take long
+    assert router.view(now=30.4)[0].decode[1].incoming_requests == 0  # never taken: dropped after handoff_ttl_s
+
+
 def test_the_view_kept_between_decisions_equals_one_rebuilt_from_the_reports_and_the_ledger():
     router = RouterState(KairosConfig().build_policy("sl:2000"), pending_ttl_s=2.0)
     router.report(prefill_state("p0", [3000]), now=0.0)
