@@ -24,8 +24,10 @@ what is free now (a hand-off may wait in a prefill queue for minutes).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import TypeVar
 
 
 class Route(StrEnum):
@@ -81,6 +83,9 @@ class DecodeNodeView:
         return self.free_kv_tokens - self.committed_tokens
 
 
+N = TypeVar("N", PrefillNodeView, DecodeNodeView)
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterView:
     """Everything a policy may look at for one decision."""
@@ -127,39 +132,41 @@ def apply_decision(view: ClusterView, prompt_tokens: int, decision: Decision, ou
     """
     cached = decision.cached_prompt_tokens
     if decision.route is Route.PREFILL:
-        prefill = tuple(
-            replace(
+        prefill = _changed(
+            view.prefill,
+            decision.prefill_node,
+            lambda node: replace(
                 node,
                 queued_prompt_tokens=(*node.queued_prompt_tokens, prompt_tokens - cached),
                 queued_cached_tokens=_appended(node.queued_cached_tokens, len(node.queued_prompt_tokens), cached),
-            )
-            if node.node_id == decision.prefill_node
-            else node
-            for node in view.prefill
+            ),
         )
-        decode = tuple(
-            replace(
+        decode = _changed(
+            view.decode,
+            decision.decode_node,
+            lambda node: replace(
                 node,
                 incoming_requests=node.incoming_requests + 1,
                 incoming_kv_tokens=node.incoming_kv_tokens + prompt_tokens + output_tokens,
-            )
-            if node.node_id == decision.decode_node
-            else node
-            for node in view.decode
+            ),
         )
         return ClusterView(prefill, decode)
-    decode = tuple(
-        replace(
+    decode = _changed(
+        view.decode,
+        decision.decode_node,
+        lambda node: replace(
             node,
             committed=(*node.committed, decision.chunk_schedule),
             committed_cached_tokens=_appended(node.committed_cached_tokens, len(node.committed), cached),
             free_kv_tokens=node.free_kv_tokens - output_tokens,
-        )
-        if node.node_id == decision.decode_node
-        else node
-        for node in view.decode
+        ),
     )
     return replace(view, decode=decode)
+
+
+def _changed(nodes: tuple[N, ...], node_id: str | None, change: Callable[[N], N]) -> tuple[N, ...]:
+    """``nodes`` with the one named ``node_id`` changed by ``change``."""
+    return tuple(change(node) if node.node_id == node_id else node for node in nodes)
 
 
 def _appended(cached: tuple[int, ...], length: int, value: int) -> tuple[int, ...]:
