@@ -53,6 +53,7 @@ from kairos_ray.config import KairosConfig
 from kairos_ray.core import parse_spec
 from kairos_ray.engines import ENGINES, EngineOptions
 from kairos_ray.serve.autoscaling import ScalingRule
+from kairos_ray.serve.router import RouterOptions
 
 SHIPPED_MODELS = resources.files("kairos_ray") / "models"
 RULE = ScalingRule()
@@ -399,9 +400,21 @@ class ServingConfig(_Strict):
         "(default: free them once the staged host copy is whole)",
     )
     refit_every_steps: int = Field(
-        0, ge=0, description="router refits the step-latency model every N reported steps (0: never)"
+        RouterOptions.refit_every_steps,
+        ge=0,
+        description="router refits the step-latency model every N reported steps (0: never)",
+    )
+    handoff_ttl_s: float = Field(
+        RouterOptions.handoff_ttl_s,
+        gt=0,
+        description="router counts a prefill-routed request on its decode node until that node takes it "
+        "(its KV arrived, or was recomputed), or this long",
     )
     seed: int = Field(ENGINE.seed, description="emulated engines: step-noise seed")
+
+    def router_options(self) -> RouterOptions:
+        """What the router uses of this section."""
+        return RouterOptions(refit_every_steps=self.refit_every_steps, handoff_ttl_s=self.handoff_ttl_s)
 
     def engine_options(self) -> EngineOptions:
         """What the engines use of this section."""

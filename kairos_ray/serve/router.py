@@ -88,6 +88,16 @@ class _Pending:
     decided_s: float  # monotonic
 
 
+@dataclass(frozen=True)
+class RouterOptions:
+    """What the router takes from the app's ``serving`` section (``ServingConfig.router_options``)."""
+
+    refit_every_steps: int = 0
+    """Refit the step-latency model every N reported steps (0: never)."""
+    handoff_ttl_s: float = 30.0
+    """Count a prefill-routed request on its decode node until that node takes it, or this long."""
+
+
 class RouterState:
     """The router's view: the nodes' last reports plus its ledger of decisions no engine has acknowledged.
 
@@ -101,7 +111,11 @@ class RouterState:
     """
 
     def __init__(
-        self, policy: Policy, pending_ttl_s: float = 2.0, node_timeout_s: float = 5.0, handoff_ttl_s: float = 30.0
+        self,
+        policy: Policy,
+        pending_ttl_s: float = 2.0,
+        node_timeout_s: float = 5.0,
+        handoff_ttl_s: float = RouterOptions.handoff_ttl_s,
     ) -> None:
         self.policy = policy
         self.pending_ttl_s, self.node_timeout_s, self.handoff_ttl_s = pending_ttl_s, node_timeout_s, handoff_ttl_s
@@ -300,12 +314,12 @@ class RouterActor:
     ledger needs no lock.
     """
 
-    def __init__(self, kairos: dict[str, Any], refit_every_steps: int = 0) -> None:
+    def __init__(self, kairos: dict[str, Any], options: RouterOptions) -> None:
         self.config = KairosConfig.model_validate(kairos)
         self.model = self.config.predictor.load()
-        self.state = RouterState(self.config.build_policy(model=self.model))
+        self.state = RouterState(self.config.build_policy(model=self.model), handoff_ttl_s=options.handoff_ttl_s)
         self.metrics = RouterMetrics()
-        self.refit = OnlineRefit(refit_every_steps) if refit_every_steps else None
+        self.refit = OnlineRefit(options.refit_every_steps) if options.refit_every_steps else None
 
     def ping(self) -> None:
         """Answers while the actor's thread is free (the ``Router`` replica's health check)."""
@@ -389,9 +403,9 @@ class Router:
     methods below forward to the actor for tools and tests.
     """
 
-    async def __init__(self, kairos: dict[str, Any], refit_every_steps: int = 0) -> None:
+    async def __init__(self, kairos: dict[str, Any], options: RouterOptions) -> None:
         actor = ray.remote(num_cpus=0, max_restarts=0)(RouterActor)
-        self.actor = actor.options(name=f"kairos-router-{uuid.uuid4().hex[:8]}").remote(kairos, refit_every_steps)
+        self.actor = actor.options(name=f"kairos-router-{uuid.uuid4().hex[:8]}").remote(kairos, options)
         await self.actor.ping.remote()  # the replica is ready once its actor is (its process started, config loaded)
 
     async def handle(self) -> Any:

@@ -200,3 +200,16 @@ def test_llm_config_fields_map_to_what_they_mean_in_ray_serve_llm():
     assert decode.vllm_engine_kwargs() == {"served_model_name": "tiny-llama", "tokenizer": "tok"}
     assert decode.model_loading_config.tokenizer == "tok"
     assert pool_options("decode", decode, args.kairos)["num_replicas"] == 1
+
+
+def test_the_serving_section_sets_the_routers_hand_off_ttl_and_refit():
+    from kairos_ray.serve.router import RouterActor
+
+    args = args_of("2p2d-emulated.yaml")
+    args["serving"] = {"handoff_ttl_s": 7.5, "refit_every_steps": 40}
+    app = AppArgs.model_validate(args)
+    router = RouterActor(app.kairos.model_dump(mode="json"), app.serving.router_options())
+    assert router.state.handoff_ttl_s == 7.5 and router.refit is not None
+    args["serving"] = {"handoff_ttl_s": 0}
+    with pytest.raises(ValidationError, match=r"serving\.handoff_ttl_s"):
+        AppArgs.model_validate(args)
