@@ -14,11 +14,19 @@ from kairos_ray.serve.engine_server import EngineServer
 from kairos_ray.serve.ingress import Ingress
 from kairos_ray.serve.router import Router
 
-CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+CLUSTER_ENV = {
+    "RAY_SERVE_PROXY_USE_GRPC": "1",
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+}
 """Serve's HTTP proxy takes each response's items from the ingress over Serve's gRPC transport: a streamed item
 costs a fraction of the CPU of a Ray streaming-generator item; Serve's processes hand their cached request metrics to
 Ray's metrics every second, not ten times a second (Ray's metrics agent collects them every 10 s), which cut their CPU
-with no traffic by about a quarter (``docs/live-path-performance.md``)."""
+with no traffic by about a quarter; each replica runs its deployment's code and its handles' request routers on its
+one event loop rather than on threads of their own (as Serve's own ``RAY_SERVE_THROUGHPUT_OPTIMIZED`` mode does),
+which saves a cross-thread hop per streamed item and call: a quarter of the serving path's CPU per token at 4 req/s
+(``docs/live-path-performance.md``)."""
 
 
 def use_cluster_env() -> None:
@@ -91,7 +99,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     args = AppArgs.model_validate(args) if isinstance(args, dict) else args
     kairos = args.kairos.model_dump(mode="json")
     serving = args.serving.model_dump(mode="json")
-    router = Router.bind(kairos, args.serving.refit_every_steps)
+    router = Router.bind(kairos, args.serving.router_options())
     secret = secrets.token_bytes(32)  # this application's engines prove it to each other (KV channel pairs)
     decode = args.decode_config
     vllm = decode.engine == "vllm"  # the ingress renders prompts as the decode engines will see them
