@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Prefix-aware Kairos in simulation: the multi-turn workload on 2P2D with the shipped A100 profile.
-# Usage: scripts/reproduce_prefix.sh [OUT_DIR]   (default docs/prefix; a few minutes on 2 cores)
+# Prefix-aware Kairos in simulation: the multi-turn workload with the shipped A100 profile, on 2P2D (where the
+# decode pool saturates first) and on 1P3D (where the prefill pool does, the paper's case).
+# Usage: scripts/reproduce_prefix.sh [OUT_DIR]   (default docs/prefix; about 20 minutes on 2 cores)
 # KAIROS_PYTHON=/path/to/python runs with that interpreter (e.g. another checkout's .venv) instead of setting up .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/kairos_python.sh
 out=${1:-docs/prefix}
-"$python" -m kairos_ray.cli sim --workload multiturn --rps 2,4,6,8,10,12,14,16 \
-    --policies pd+blind,pd+prefix,sl:1024+prefix,kairos+blind,kairos+prefix,oracle+prefix --requests 2000 --seed 1 \
-    --out "$out/multiturn" > "$out-multiturn.log" 2>&1 || { cat "$out-multiturn.log"; exit 1; }
-rm -f "$out-multiturn.log" "$out/multiturn/requests.csv"  # per-request rows: large; rerun kairos sim to get them
+policies=pd+blind,pd+prefix,sl:1024+prefix,kairos+blind,kairos+prefix,oracle+prefix
+# name, prefill nodes, decode nodes, rates
+for cell in "multiturn 2 2 2,4,6,8,10,12,14,16" "multiturn-1p3d 1 3 4,8,12,14,16,18,20"; do
+    read -r name prefill decode rates <<< "$cell"
+    "$python" -m kairos_ray.cli sim --workload multiturn --prefill "$prefill" --decode "$decode" --rps "$rates" \
+        --policies "$policies" --requests 2000 --seed 1 --out "$out/$name" > "$out-$name.log" 2>&1 \
+        || { cat "$out-$name.log"; exit 1; }
+    rm -f "$out-$name.log" "$out/$name/requests.csv"  # per-request rows: large; rerun kairos sim to get them
+done
 "$python" -m kairos_ray.sim.report "$out" | tee "$out/table.md"

@@ -4,8 +4,9 @@
 
 DIR holds one sub-directory per workload, each with the ``summary.csv`` of a
 ``kairos sim`` sweep (``scripts/reproduce_paper.sh`` writes exactly that).
-A ``multiturn`` sub-directory gets the prefix-caching table instead
-(``scripts/reproduce_prefix.sh``): every policy at every rate.
+A ``multiturn`` sub-directory, or one named ``multiturn-<cluster>``, gets the
+prefix-caching table instead (``scripts/reproduce_prefix.sh``): every policy
+at every rate, under a heading that names the sub-directory.
 """
 
 from __future__ import annotations
@@ -131,9 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     by_workload = {p.parent.name: read_summary(p) for p in sorted(args.dir.glob("*/summary.csv"))}
     if not by_workload:
         parser.error(f"no */summary.csv under {args.dir}")
-    multiturn = by_workload.pop("multiturn", None)
-    if multiturn is not None:
-        print("\n".join(cache_table(multiturn)))
+    for name in [n for n in by_workload if n == "multiturn" or n.startswith("multiturn-")]:
+        print(f"### {name}\n")
+        print("\n".join(cache_table(by_workload.pop(name))))
+        print()
     if not by_workload:
         return 0
     print("\n".join(table3(by_workload, args.rps)))
