@@ -53,7 +53,9 @@ class ObjectStoreTransport:
         self._pins = KVPins()
 
     async def hand_off(self, request_id: int, payload: KVPayload, receiver: str) -> tuple[Any, str]:
-        reference = ray.put(payload)
+        # A copy of the whole KV into the object store: on a thread, not on the replica's event loop (which
+        # runs Serve's own work too, kairos_ray.serve.CLUSTER_ENV), so other requests' tokens keep flowing.
+        reference = await asyncio.to_thread(ray.put, payload)
         self._pins.pin(request_id, reference)
         return reference, "object_store"
 
