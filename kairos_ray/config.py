@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kairos_ray.core import Policy, PolicyParams, StepLatency, StepLatencyModel, Thresholds, make_policy, parse_spec
 from kairos_ray.core.estimate import PrefillEstimatorName
+from kairos_ray.emulation import ClusterHardware
 
 DEFAULT_PARAMS = PolicyParams()
 DEFAULT_THRESHOLDS = Thresholds()
@@ -88,6 +89,13 @@ class PolicyConfig(_Section):
     static_chunk_tokens: int = Field(
         DEFAULT_PARAMS.static_chunk_tokens, ge=1, description="fixed chunk the sq/sl baselines deflect with"
     )
+    handoff_setup_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="a KV transfer's setup in tokens its link carries meanwhile: the decode node a hand-off goes "
+        "to has the fewest tokens on its link, each transfer counting this many more (default: from the predictor "
+        "profile's cluster section, setup s x link bytes/s / KV bytes per token)",
+    )
     prefix_aware: bool = Field(
         DEFAULT_PARAMS.prefix_aware,
         description="price each node's uncached prompt suffix from the cached context, given the prefix hits the "
@@ -128,6 +136,10 @@ class PredictorConfig(_Section):
     def load(self) -> StepLatencyModel:
         return StepLatencyModel.load(resolve_profile(self.profile))
 
+    def hardware(self) -> ClusterHardware:
+        """The profile's ``cluster`` section: the nodes' KV links and limits."""
+        return ClusterHardware.from_profile(resolve_profile(self.profile))
+
 
 class KairosConfig(_Section):
     """The whole Kairos section."""
@@ -139,8 +151,12 @@ class KairosConfig(_Section):
         DEFAULT_PARAMS.prefill_chunk_tokens, ge=1, description="chunk size chi_p of the prefill nodes"
     )
 
-    def policy_params(self) -> PolicyParams:
+    def policy_params(self, hardware: ClusterHardware | None = None) -> PolicyParams:
+        """The policies' knobs; a hand-off's setup from ``hardware`` (default: the predictor profile's) unless set."""
         p = self.policy
+        setup = p.handoff_setup_tokens
+        if setup is None:
+            setup = (hardware or self.predictor.hardware()).setup_tokens
         return PolicyParams(
             prefill_chunk_tokens=self.prefill_chunk_tokens,
             chunk_candidates=p.chunk_candidates,
@@ -150,6 +166,7 @@ class KairosConfig(_Section):
             prefill_estimator=p.prefill_estimator,
             static_chunk_tokens=p.static_chunk_tokens,
             prefix_aware=p.prefix_aware,
+            handoff_setup_tokens=setup,
         )
 
     def thresholds(self) -> Thresholds:
@@ -157,7 +174,11 @@ class KairosConfig(_Section):
         return Thresholds(t.sq_queued_requests, t.sl_prompt_tokens)
 
     def build_policy(
-        self, spec: str | None = None, model: StepLatency | None = None, truth: StepLatency | None = None
+        self,
+        spec: str | None = None,
+        model: StepLatency | None = None,
+        truth: StepLatency | None = None,
+        hardware: ClusterHardware | None = None,
     ) -> Policy:
         """The configured policy, or the one ``spec`` names, with this config's knobs: the one policy builder.
 
@@ -172,7 +193,7 @@ class KairosConfig(_Section):
                 raise ValueError(f"policy {spec!r} decides with the emulator's ground truth: the simulator only")
             model = truth
         model = model or self.predictor.load()
-        return make_policy(spec, self.policy_params(), model, model, self.thresholds())
+        return make_policy(spec, self.policy_params(hardware), model, model, self.thresholds())
 
 
 class ConfigError(ValueError):

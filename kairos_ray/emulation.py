@@ -67,6 +67,11 @@ class ClusterHardware:
         """Time one KV transfer occupies its link."""
         return self.kv_link_setup_s + prompt_tokens * self.kv_bytes_per_token / (self.kv_link_gbytes_per_s * 1e9)
 
+    @property
+    def setup_tokens(self) -> int:
+        """A transfer's setup, in the KV tokens its link carries meanwhile (``PolicyParams.handoff_setup_tokens``)."""
+        return round(self.kv_link_setup_s * self.kv_link_gbytes_per_s * 1e9 / self.kv_bytes_per_token)
+
     @classmethod
     def from_profile(cls, path: str | Path) -> ClusterHardware:
         """The ``cluster`` section of a profile file; defaults where it has none."""

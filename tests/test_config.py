@@ -7,7 +7,8 @@ from kairos_ray.scenarios import burst_view
 
 def test_defaults_are_the_cores_and_build_the_kairos_policy():
     config = KairosConfig()
-    assert config.policy_params() == PolicyParams() and config.thresholds() == Thresholds()
+    # a KV transfer's 0.1 s setup on the profile's 2 GB/s link is 6,430 tokens of 31,104 bytes
+    assert config.policy_params() == PolicyParams(handoff_setup_tokens=6430) and config.thresholds() == Thresholds()
     assert config.slo.tbt_s == 0.07 and config.slo.ttft_s == 4.0
     policy = config.build_policy()
     assert policy.spec == "kairos" and policy.guards_chunks and policy.chunk_guard() is not None
@@ -34,6 +35,7 @@ def test_params_carry_the_config_through():
     ).policy_params()
     assert params.tbt_budget_s == pytest.approx(0.04)
     assert params.alpha == 1.5 and params.chunk_candidates == (512, 128)
+    assert parse_config({"policy": {"handoff_setup_tokens": 0}}).policy_params().handoff_setup_tokens == 0
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,8 @@ baselines): they deflect with fixed chunks of ``static_chunk_tokens`` to the
 decode node that would finish the prefill first, among those with KV room.
 
 Every policy sends a prefill-routed request to the prefill node with the
-least estimated TTFT and names the decode node with the most KV headroom.
+least estimated TTFT and names the decode node its KV reaches first, among
+those with KV room for it and a decode step inside beta * tau with it.
 ``make_policy`` maps spec strings (``"kairos"``, ``"sq:4"``...) to policies so
 the simulator, the Serve router and the CLI share them. A policy says whether
 decode nodes re-check each planned chunk when it runs (``guards_chunks``, Eq.
@@ -30,10 +31,9 @@ node's cache holds (``core.prefix``), every estimate prices only a node's
 uncached suffix from the cached context (Eq. 1-2 on prefill nodes; Eq. 5's
 schedule and Eq. 6 on decode nodes), a deflection needs KV room for that
 suffix only, ``sl`` compares its threshold with the smallest suffix on a
-decode node, and a prefill-routed request goes to the decode node with the
-most KV headroom once it holds the request, the blocks a node holds already
-counting as room (they need none, nor a transfer). alpha and beta are
-unchanged. A cache-blind policy ignores ``hits``: it prices the whole prompt
+decode node, and a prefill-routed request's transfer counts only what its
+decode node does not hold (those blocks count as KV room there too). alpha
+and beta are unchanged. A cache-blind policy ignores ``hits``: it prices the whole prompt
 everywhere. Either way, given ``hits``, a prefill-routed decision names the
 prompt tokens its decode node holds (``Decision.receiver_cached_tokens``):
 the hand-off leaves their KV out, as the simulator's does.
@@ -65,6 +65,7 @@ class PolicyParams:
     prefill_estimator: PrefillEstimatorName = "exact"  # key of PREFILL_ESTIMATORS
     static_chunk_tokens: int = 512  # fixed chunk of the sq/sl baselines
     prefix_aware: bool = True  # price only each node's uncached suffix, given PrefixHits (module docstring)
+    handoff_setup_tokens: int = 0  # a KV transfer's fixed cost, in tokens its link could carry meanwhile
 
     @property
     def tbt_budget_s(self) -> float:
@@ -232,17 +233,39 @@ class _BasePolicy:
                 best = _DecodeOption(node, wait_s + seconds, runs, cached)
         return best, lacking_kv, infeasible
 
-    @staticmethod
-    def _handoff_target(view: ClusterView, hits: PrefixHits | None) -> DecodeNodeView:
-        """Decode node for a disaggregated request: most KV headroom once it holds the request, then smallest
-        batch, counting in both the hand-offs already bound for it (``DecodeNodeView.incoming_requests``).
+    def _handoff_target(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> DecodeNodeView:
+        """Decode node for a disaggregated request: the one its KV reaches first, among those that can take it.
 
-        Prefix-aware, the blocks a node holds already need no room there (and no transfer): a node holding
-        the prompt wins while it is loaded by less than the tokens it holds, so conversations stay with
-        their history without piling onto one node (which preferring the holder outright does: every
-        request shares the system prompt, and the first node to hold it would take them all).
+        Its KV reaches a node after the hand-offs already bound there (``DecodeNodeView.incoming_kv_tokens``:
+        one link per decode node carries them first) and its own transfer, the prompt less what the node's
+        cache holds (prefix-aware; a cache-blind policy counts nothing held), each transfer also paying its
+        setup (``PolicyParams.handoff_setup_tokens``, in tokens' worth of the link): so the node with the
+        fewest such tokens, then the fewest hand-offs bound there, then the most KV headroom.
+        A node can take it when it has KV room for the uncached prompt once those hand-offs have joined, and a
+        decode step with them and this request joined stays within beta * tau (Eq. 4 with Eq. 5's budget). When
+        no node can, the one with the most KV headroom once it holds the request, then the smallest batch.
+
+        Ranking by headroom alone sent hand-offs to the emptiest node whatever its link carried, and
+        prefix-aware, to the node holding the history even with a queue on its link.
         """
         held = hits.at if hits else lambda node_id: 0
+        model, budget_s, setup = self.decode_model, self.params.tbt_budget_s, self.params.handoff_setup_tokens
+
+        def takes_it(n: DecodeNodeView) -> bool:
+            batch_size, kv_tokens = n.batch_size + n.incoming_requests + 1, n.kv_tokens + n.incoming_kv_tokens
+            room = n.headroom_kv_tokens - n.incoming_kv_tokens + held(n.node_id) >= prompt_tokens
+            return room and model.step_s(batch_size, kv_tokens + prompt_tokens, 0) <= budget_s
+
+        able = [n for n in view.decode if takes_it(n)]
+        if able:
+            return min(
+                able,
+                key=lambda n: (
+                    n.incoming_kv_tokens + setup * n.incoming_requests + prompt_tokens - held(n.node_id),
+                    n.incoming_requests,
+                    -n.headroom_kv_tokens,
+                ),
+            )
         return max(
             view.decode,
             key=lambda n: (
@@ -253,13 +276,14 @@ class _BasePolicy:
 
     def _to_prefill(
         self,
+        prompt_tokens: int,
         view: ClusterView,
         hits: PrefixHits | None,
         prefill: _PrefillOption,
         ttft_dec_s: float | None,
         reason: str,
     ) -> Decision:
-        decode = self._handoff_target(view, hits)
+        decode = self._handoff_target(prompt_tokens, view, hits)
         return Decision(
             Route.PREFILL,
             prefill.node.node_id,
@@ -312,12 +336,12 @@ class KairosPolicy(_BasePolicy):
         )
         if option is None:
             reason = f"no TBT-safe decode node ({infeasible} infeasible, {lacking_kv} short of KV)"
-            return self._to_prefill(view, hits, prefill, None, reason)
+            return self._to_prefill(prompt_tokens, view, hits, prefill, None, reason)
         if params.alpha * option.ttft_s < ttft_pf:
             reason = f"decode {option.ttft_s:.3f}s x alpha {params.alpha:g} < prefill {ttft_pf:.3f}s"
             return self._to_decode(option, ttft_pf, reason)
         reason = f"decode {option.ttft_s:.3f}s x alpha {params.alpha:g} >= prefill {ttft_pf:.3f}s"
-        return self._to_prefill(view, hits, prefill, option.ttft_s, reason)
+        return self._to_prefill(prompt_tokens, view, hits, prefill, option.ttft_s, reason)
 
 
 class OraclePolicy(KairosPolicy):
@@ -334,7 +358,7 @@ class PDPolicy(_BasePolicy):
 
     def _decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> Decision:
         prefill = self._best_prefill(prompt_tokens, view, hits)
-        return self._to_prefill(view, hits, prefill, None, "pd never deflects")
+        return self._to_prefill(prompt_tokens, view, hits, prefill, None, "pd never deflects")
 
 
 class _StaticPolicy(_BasePolicy):
@@ -347,7 +371,7 @@ class _StaticPolicy(_BasePolicy):
         prefill = self._best_prefill(prompt_tokens, view, hits)
         wants, why = self._wants_deflection(prompt_tokens, view, hits)
         if not wants:
-            return self._to_prefill(view, hits, prefill, None, why)
+            return self._to_prefill(prompt_tokens, view, hits, prefill, None, why)
         chunk = self.params.static_chunk_tokens
         model = self.decode_model
 
@@ -362,7 +386,7 @@ class _StaticPolicy(_BasePolicy):
         option, lacking_kv, _ = self._fastest_deflection(prompt_tokens, view, plan, hits)
         if option is None:
             reason = f"{why}, but {lacking_kv} decode nodes short of KV"
-            return self._to_prefill(view, hits, prefill, None, reason)
+            return self._to_prefill(prompt_tokens, view, hits, prefill, None, reason)
         return self._to_decode(option, prefill.ttft_s, why)
 
 

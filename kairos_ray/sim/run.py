@@ -47,7 +47,7 @@ class SimSetup:
 
     def policy(self, spec: str) -> Policy:
         """A core policy by spec, deciding with the predictor (``oracle``: with the noise-free ground truth)."""
-        return self.config.build_policy(spec, model=self.model, truth=self.truth)
+        return self.config.build_policy(spec, model=self.model, truth=self.truth, hardware=self.hardware)
 
     def simulate(self, spec: str, workload: Workload, progress: Callable[[int], None] | None = None) -> SimResult:
         """One run of the policy ``spec`` names over ``workload``."""

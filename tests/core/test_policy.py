@@ -290,26 +290,50 @@ def test_a_deflection_needs_kv_room_for_its_suffix_only():
     assert "1 short of KV" in make_policy("kairos+blind", AWARE, CONTEXT).decide(6500, tight, ON_A).reason
 
 
-def test_a_disaggregated_request_goes_where_most_headroom_is_left_counting_the_blocks_held():
+def test_a_disaggregated_request_goes_where_its_kv_arrives_first_counting_the_blocks_held():
     view = ClusterView(
         (PrefillNodeView("p0"), PrefillNodeView("p1")),
         (DecodeNodeView("roomy", 0, 0, 12_000), DecodeNodeView("holder", 0, 0, 10_000)),
     )
     hits = PrefixHits({"holder": 3000, "p1": 2048})
     decision = make_policy("pd+prefix", AWARE, CONTEXT).decide(6500, view, hits)
-    # the holder needs room for 3500 tokens only: 10,000 + 3,000 left beats 12,000
+    # to the holder it sends 3,500 tokens, to roomy 6,500
     assert (decision.prefill_node, decision.decode_node, decision.cached_prompt_tokens) == ("p1", "holder", 2048)
     assert decision.receiver_cached_tokens == 3000  # the hand-off leaves out the holder's 3000 tokens
     queued = apply_decision(view, 6500, decision).prefill[1]
     assert (queued.queued_prompt_tokens, queued.queued_cached_tokens) == ((4452,), (2048,))
     blind = make_policy("pd+blind", AWARE, CONTEXT).decide(6500, view, hits)
-    assert (blind.decode_node, blind.receiver_cached_tokens) == ("roomy", 0)  # it holds nothing of the prompt
+    assert (blind.decode_node, blind.receiver_cached_tokens) == ("roomy", 0)  # 6,500 either way: most headroom
     # priced cache-blind, a hand-off to the holder still leaves out what it holds
     only_holder = ClusterView(view.prefill, (view.decode[1],))
     assert make_policy("pd+blind", AWARE, CONTEXT).decide(6500, only_holder, hits).receiver_cached_tokens == 3000
-    # loaded by more than it holds, the holder gives way: conversations do not pile onto one node
-    busier = ClusterView(view.prefill, (view.decode[0], DecodeNodeView("holder", 0, 0, 8_000)))
+    # 4,000 tokens already on their way to the holder: 7,500 there against 6,500 to roomy
+    queued_link = DecodeNodeView("holder", 0, 0, 20_000, incoming_requests=1, incoming_kv_tokens=4_000)
+    busier = ClusterView(view.prefill, (view.decode[0], queued_link))
     assert make_policy("pd+prefix", AWARE, CONTEXT).decide(6500, busier, hits).decode_node == "roomy"
+
+
+@pytest.mark.parametrize("setup, chosen", [(0, "many-small"), (6430, "few-big")])
+def test_a_hand_offs_link_counts_each_transfers_setup(setup, chosen):
+    # a 1,000-token hand-off: few-big carries 8,000 + 1 setup + 1,000, many-small 2,000 + 4 setups + 1,000
+    few_big = DecodeNodeView("few-big", 0, 0, 100_000, incoming_requests=1, incoming_kv_tokens=8_000)
+    many_small = DecodeNodeView("many-small", 0, 0, 100_000, incoming_requests=4, incoming_kv_tokens=2_000)
+    view = ClusterView((PrefillNodeView("p0"),), (few_big, many_small))
+    params = replace(AWARE, handoff_setup_tokens=setup)
+    assert make_policy("pd", params, CONTEXT).decide(1000, view).decode_node == chosen
+
+
+@pytest.mark.parametrize("batch, chosen", [(38, "idle-link"), (40, "busy-link")])
+def test_a_disaggregated_request_goes_only_where_the_decode_step_stays_within_budget(batch, chosen):
+    # with the request, idle-link steps at 0.01 + 0.001 (B + 1) + 1e-7 * 6,500: 0.04965 s at B = 38, within
+    # beta * tau = 0.051 s; at B = 40, 0.05165 s, over it, so busy-link takes it despite 20,000 tokens ahead
+    idle_link = DecodeNodeView("idle-link", batch, 0, 50_000)
+    busy_link = DecodeNodeView("busy-link", 0, 0, 50_000, incoming_requests=2, incoming_kv_tokens=20_000)
+    view = ClusterView((PrefillNodeView("p0"),), (busy_link, idle_link))
+    assert make_policy("pd", AWARE, CONTEXT).decide(6500, view).decode_node == chosen
+    # where no node can take it: the most KV headroom once it holds the request
+    full = ClusterView(view.prefill, (replace(idle_link, batch_size=60), replace(busy_link, batch_size=60)))
+    assert make_policy("pd", AWARE, CONTEXT).decide(6500, full).decode_node == "idle-link"
 
 
 def test_sl_with_prefix_is_llm_ds_uncached_suffix_threshold():
