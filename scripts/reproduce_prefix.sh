@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prefix-aware Kairos in simulation: the multi-turn workload with the shipped A100 profile, on 2P2D (where the
 # decode pool saturates first) and on 1P3D (where the prefill pool does, the paper's case).
-# Usage: scripts/reproduce_prefix.sh [OUT_DIR]   (default docs/prefix; about 20 minutes on 2 cores)
+# Usage: scripts/reproduce_prefix.sh [OUT_DIR]   (default docs/prefix; about 5 minutes on 2 cores)
 # KAIROS_PYTHON=/path/to/python runs with that interpreter (e.g. another checkout's .venv) instead of setting up .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -33,10 +33,11 @@ schedule and Eq. 6 on decode nodes), a deflection needs KV room for that
 suffix only, ``sl`` compares its threshold with the smallest suffix on a
 decode node, and a prefill-routed request's transfer counts only what its
 decode node does not hold (those blocks count as KV room there too). alpha
-and beta are unchanged. A cache-blind policy ignores ``hits``: it prices the whole prompt
-everywhere. Either way, given ``hits``, a prefill-routed decision names the
-prompt tokens its decode node holds (``Decision.receiver_cached_tokens``):
-the hand-off leaves their KV out, as the simulator's does.
+and beta are unchanged. A cache-blind policy ignores ``hits``: it prices the
+whole prompt everywhere. Either way, given ``hits``, a prefill-routed
+decision names the prompt tokens its decode node holds
+(``Decision.receiver_cached_tokens``): the hand-off leaves their KV out, as
+the simulator's does.
 """
 
 from __future__ import annotations
