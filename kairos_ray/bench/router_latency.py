@@ -35,7 +35,7 @@ from kairos_ray.config import KairosConfig
 from kairos_ray.core import DecodeNodeView, PrefillNodeView
 from kairos_ray.messages import DecisionRequest, NodeState, RoutingReply
 from kairos_ray.scenarios import prompt_tokens, random_view
-from kairos_ray.serve.router import Router
+from kairos_ray.serve.router import Router, RouterOptions
 from kairos_ray.serve.router_link import RouterLink
 
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        app = Router.bind(KairosConfig().model_dump(mode="json"))  # type: ignore[attr-defined]
+        app = Router.bind(KairosConfig().model_dump(mode="json"), RouterOptions())  # type: ignore[attr-defined]
         router = serve.run(app, name="router-bench", route_prefix=None)
 
         async def run() -> None:
