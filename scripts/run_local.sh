@@ -72,3 +72,4 @@ echo
 echo "run: the app is serving OpenAI requests on $URL (model $MODEL); stop it with: make stop"
 echo "run: watch it live:  .venv/bin/kairos top --url $URL"
 echo "run: Ray's tools:    serve status, ray list actors, the dashboard at $DASHBOARD, metrics at $METRICS"
+echo "run: inject faults:  RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 .venv/bin/kairos chaos --url $URL   (Ray here is on loopback)"

@@ -60,9 +60,12 @@ async def keep_reporting(link: RouterLink, states: list[NodeState], interval_s: 
 
 
 def decided(replies: list[RoutingReply], requests: list[DecisionRequest]) -> None:
+    """Every node a decision names acknowledges it in its next report: a prefill node as it takes the request,
+    a decode node as a deflection's node does, or once a hand-off's KV has arrived (here: at once)."""
     for reply, request in zip(replies, requests, strict=True):
-        node = reply.decision.prefill_node or reply.decision.decode_node
-        DECIDED.setdefault(node or "", []).append(request.request_id)
+        for node in (reply.decision.prefill_node, reply.decision.decode_node):
+            if node is not None:
+                DECIDED.setdefault(node, []).append(request.request_id)
 
 
 async def latency(link: RouterLink, rps: float, count: int, seed: int) -> list[float]:
