@@ -252,10 +252,13 @@ class _BasePolicy:
         held = hits.at if hits else lambda node_id: 0
         model, budget_s, setup = self.decode_model, self.params.tbt_budget_s, self.params.handoff_setup_tokens
 
+        def room(n: DecodeNodeView) -> int:
+            """KV room once the hand-offs bound there have joined, what the node holds of the prompt counting."""
+            return n.headroom_kv_tokens - n.incoming_kv_tokens + held(n.node_id)
+
         def takes_it(n: DecodeNodeView) -> bool:
             batch_size, kv_tokens = n.batch_size + n.incoming_requests + 1, n.kv_tokens + n.incoming_kv_tokens
-            room = n.headroom_kv_tokens - n.incoming_kv_tokens + held(n.node_id) >= prompt_tokens
-            return room and model.step_s(batch_size, kv_tokens + prompt_tokens, 0) <= budget_s
+            return room(n) >= prompt_tokens and model.step_s(batch_size, kv_tokens + prompt_tokens, 0) <= budget_s
 
         able = [n for n in view.decode if takes_it(n)]
         if able:
@@ -267,13 +270,7 @@ class _BasePolicy:
                     -n.headroom_kv_tokens,
                 ),
             )
-        return max(
-            view.decode,
-            key=lambda n: (
-                n.headroom_kv_tokens - n.incoming_kv_tokens + held(n.node_id),
-                -n.batch_size - n.incoming_requests,
-            ),
-        )
+        return max(view.decode, key=lambda n: (room(n), -n.batch_size - n.incoming_requests))
 
     def _to_prefill(
         self,
