@@ -317,7 +317,9 @@ class RouterActor:
     def __init__(self, kairos: dict[str, Any], options: RouterOptions) -> None:
         self.config = KairosConfig.model_validate(kairos)
         self.model = self.config.predictor.load()
-        self.state = RouterState(self.config.build_policy(model=self.model), handoff_ttl_s=options.handoff_ttl_s)
+        self.hardware = self.config.predictor.hardware()  # read once: every refit rebuilds the policy
+        policy = self.config.build_policy(model=self.model, hardware=self.hardware)
+        self.state = RouterState(policy, handoff_ttl_s=options.handoff_ttl_s)
         self.metrics = RouterMetrics()
         self.refit = OnlineRefit(options.refit_every_steps) if options.refit_every_steps else None
 
@@ -364,7 +366,9 @@ class RouterActor:
                 100 * result.current_mape, 100 * result.refit_mape, len(self.refit.samples),
             )  # fmt: skip
             self.model = result.model
-            self.state.policy = self.config.build_policy(self.state.policy.spec, model=self.model)
+            self.state.policy = self.config.build_policy(
+                self.state.policy.spec, model=self.model, hardware=self.hardware
+            )
             self.metrics.refits.inc()
 
     def live(self) -> RouterLive:

@@ -54,3 +54,18 @@ def test_steps_without_a_measured_time_are_ignored():
     assert online.due and len(online.samples) == 2
     with pytest.raises(ValueError, match="every <= window"):
         OnlineRefit(every=10, window=5)
+
+
+def test_the_router_adopts_a_refit_into_its_policy_keeping_the_configs_knobs():
+    from kairos_ray.config import KairosConfig
+    from kairos_ray.core import DecodeNodeView
+    from kairos_ray.messages import NodeState
+    from kairos_ray.serve.router import RouterActor, RouterOptions
+
+    router = RouterActor(KairosConfig().model_dump(mode="json"), RouterOptions(refit_every_steps=300))
+    before = router.state.policy
+    router.report(NodeState(DecodeNodeView("d0", 0, 0, 1_000_000), "host", 0.0, tuple(reports(ACTUAL, 300))))
+    after = router.state.policy
+    assert after is not before and after.spec == before.spec and after.params == before.params
+    assert after.decode_model is router.model  # the refit model, not the shipped one
+    assert router.model.step_s(64, 200_000, 512) == pytest.approx(ACTUAL.step_s(64, 200_000, 512), rel=0.05)
