@@ -244,6 +244,9 @@ class ServiceLive:
     p95_tbt_s: float | None  # over every gap between streamed tokens in the window (None without any)
     num_fallbacks: int  # requests the router could not decide (plain disaggregation)
     rejections: Mapping[str, int]  # refused requests by reason (overload, bad-request, ...)
+    # the router's decisions as this ingress waited for them, from asking to the reply (None without any)
+    p50_router_call_s: float | None = None
+    p99_router_call_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

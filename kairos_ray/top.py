@@ -4,7 +4,8 @@ A line per node: its queue, decode batch size, resident and free KV, committed
 deflections, mean step time measured against the step-latency model's
 prediction, and what the router sent it in the last minute (deflected share on
 decode nodes); then the app's last minute at the ingress: requests, deflected
-share, P95 TTFT and TBT, fallbacks and rejections.
+share, P95 TTFT and TBT, the router calls' P50 and P99 (asking to the reply), fallbacks and
+rejections.
 """
 
 from __future__ import annotations
@@ -101,10 +102,15 @@ def render(state: LiveState, url: str) -> Group:
     reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(service.rejections.items()))
     ttft = "-" if service.p95_ttft_s is None else f"{service.p95_ttft_s:.3f} s"
     tbt = "-" if service.p95_tbt_s is None else f"{1e3 * service.p95_tbt_s:.1f} ms"
+    calls = (
+        "-"
+        if service.p50_router_call_s is None or service.p99_router_call_s is None
+        else f"{1e3 * service.p50_router_call_s:.1f}/{1e3 * service.p99_router_call_s:.1f} ms"
+    )
     summary = Text(
         f"last {service.window_s:.0f} s at the ingress: {service.num_requests} requests, "
         f"{service.num_deflected} deflected ({_share(service.num_deflected, service.num_requests)}), "
-        f"P95 TTFT {ttft}, P95 TBT {tbt}, {service.num_fallbacks} fallbacks, "
+        f"P95 TTFT {ttft}, P95 TBT {tbt}, router call P50/P99 {calls}, {service.num_fallbacks} fallbacks, "
         f"{rejected} rejected" + (f" ({reasons})" if reasons else "")
     )
     return Group(header, table, summary)

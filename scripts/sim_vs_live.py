@@ -8,9 +8,10 @@ simulator's timing, so the two should agree; a fresh app's prefix caches are
 empty, as the simulator's), replays a synthetic workload with the load
 generator, runs the simulator on the very same requests, and prints both
 summaries with the ratio of each figure, the rate the load generator
-achieved, and the CPU the serving path spent per streamed token (every Serve
+achieved, the CPU the serving path spent per streamed token (every Serve
 process of the app: proxy, ingress, router, engine replicas), in all and per
-process. ``--idle S`` first measures each process's CPU per second while no
+process, and the router's decisions as the ingress waited for them (P50 and
+P99 from asking to the reply). ``--idle S`` first measures each process's CPU per second while no
 request runs. Ray starts with ``kairos_ray.serve.CLUSTER_ENV``. With
 ``--profile DIR``, py-spy samples each of those processes during the last
 rate's replay and the script prints where each spent its time (the functions
@@ -34,7 +35,7 @@ from ray import serve
 
 from kairos_ray.bench.loadgen import replay, wait_until_routed
 from kairos_ray.bench.local import local_serve
-from kairos_ray.bench.serving_cost import cpu_s, own_cpu_s, serving_processes
+from kairos_ray.bench.serving_cost import cpu_s, own_cpu_s, router_calls, serving_processes
 from kairos_ray.config import load_config
 from kairos_ray.metrics import summarize
 from kairos_ray.serve import build_app
@@ -126,6 +127,7 @@ def main() -> int:
             print(f"serving path CPU {1e3 * spent / max(1, tokens):.3f} ms per streamed token ({tokens} tokens); "
                   f"load generator {1e3 * own / max(1, tokens):.3f} ms", flush=True)  # fmt: skip
             print("  per process:", per_process(spent_by, 1e3 / max(1, tokens), "ms/token"), flush=True)
+            print(router_calls(url), flush=True)
             for name, spy, path in spies:
                 spy.wait()
                 print(hot_spots(name, path))

@@ -10,7 +10,9 @@ at the engines' rate, each acknowledging the decisions sent to it since its
 last report, as engines do when they take a request. Then:
 
 - latency: decisions sent open loop at ``--rps``, each timed from the call to
-  its reply (p50, p99);
+  its reply (p50, p99); then, as the floor under it, the same calls to an
+  actor method that does nothing (a plain Ray actor call's round trip on
+  this machine, which varies from host to host and day to day);
 - ceiling: ``--callers`` concurrent callers, each sending its next decision
   as soon as the last is answered, for ``--seconds``; decisions per second,
   one call per decision and in batches of ``--batch`` (``decide_many``, as
@@ -25,7 +27,9 @@ import itertools
 import random
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import ray
@@ -68,17 +72,15 @@ def decided(replies: list[RoutingReply], requests: list[DecisionRequest]) -> Non
                 DECIDED.setdefault(node, []).append(request.request_id)
 
 
-async def latency(link: RouterLink, rps: float, count: int, seed: int) -> list[float]:
+async def open_loop(call: Callable[[], Awaitable[None]], rps: float, count: int, seed: int) -> list[float]:
+    """``count`` calls sent open loop at ``rps`` (exponential gaps), each timed from the call to its reply."""
     rng = random.Random(seed)
-    ids = itertools.count(1 << 40)
     times: list[float] = []
 
     async def one() -> None:
         start = time.perf_counter()
-        requests = [DecisionRequest(next(ids), prompt_tokens(rng), 256)]
-        replies = await link.decide_many(requests)
+        await call()
         times.append(time.perf_counter() - start)
-        decided(replies, requests)
 
     tasks = []
     for _ in range(count):
@@ -86,6 +88,41 @@ async def latency(link: RouterLink, rps: float, count: int, seed: int) -> list[f
         await asyncio.sleep(rng.expovariate(rps))
     await asyncio.gather(*tasks)
     return times
+
+
+def request_maker(seed: int) -> Callable[[], list[DecisionRequest]]:
+    """One decision request per call, with a prompt length drawn as in the app's scenarios."""
+    rng = random.Random(seed)
+    ids = itertools.count(1 << 40)
+    return lambda: [DecisionRequest(next(ids), prompt_tokens(rng), 256)]
+
+
+def one_decision(link: RouterLink, seed: int) -> Callable[[], Awaitable[None]]:
+    make = request_maker(seed)
+
+    async def call() -> None:
+        requests = make()
+        decided(await link.decide_many(requests), requests)
+
+    return call
+
+
+@ray.remote(num_cpus=0)
+class Echo:
+    """An actor whose method does nothing: what a plain Ray actor call costs on this machine, as a floor."""
+
+    def decide_many(self, requests: list[DecisionRequest]) -> None:
+        pass
+
+
+def one_echo(echo: Any, seed: int) -> Callable[[], Awaitable[None]]:
+    """A call carrying the same request as ``one_decision``'s, to an actor method that does nothing."""
+    make = request_maker(seed)
+
+    async def call() -> None:
+        await echo.decide_many.remote(make())
+
+    return call
 
 
 async def ceiling(link: RouterLink, callers: int, seconds: float, batch: int, seed: int) -> float:
@@ -126,9 +163,15 @@ def main(argv: list[str] | None = None) -> int:
             await link.actor()
             reporting = asyncio.create_task(keep_reporting(link, node_states(args.seed), args.report_interval_s))
             await asyncio.sleep(1.0)
-            times = await latency(link, args.rps, args.decisions, args.seed)
+            times = await open_loop(one_decision(link, args.seed), args.rps, args.decisions, args.seed)
             p50, p99 = np.percentile(np.array(times) * 1e3, [50, 99])
             print(f"latency at {args.rps:g} decisions/s, {len(times)} decisions: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
+            echo = Echo.remote()  # type: ignore[attr-defined]
+            await echo.decide_many.remote([])
+            floor = await open_loop(one_echo(echo, args.seed), args.rps, args.decisions, args.seed)
+            f50, f99 = np.percentile(np.array(floor) * 1e3, [50, 99])
+            print(f"floor, a plain Ray actor call with the same request to a method that does nothing, "
+                  f"at {args.rps:g} calls/s: p50 {f50:.2f} ms, p99 {f99:.2f} ms")  # fmt: skip
             single = await ceiling(link, args.callers, args.seconds, 1, args.seed)
             print(f"ceiling, one decision per call, {args.callers} callers: {single:,.0f} decisions/s")
             batched = await ceiling(link, args.callers, args.seconds, args.batch, args.seed)

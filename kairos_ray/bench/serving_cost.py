@@ -25,6 +25,7 @@ import ray
 
 from kairos_ray.bench import faults
 from kairos_ray.bench.loadgen import replay, served_model
+from kairos_ray.top import fetch
 from kairos_ray.workloads.synthetic import synthetic
 
 
@@ -69,6 +70,20 @@ def own_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def router_calls(url: str, api_key: str | None = None) -> str:
+    """The router's decisions as the app's ingress waited for them in its last minute (``ServiceLive``)."""
+    try:
+        service = fetch(url, api_key).service
+    except ValueError as exc:
+        return f"router calls: {exc}"
+    if service.p50_router_call_s is None or service.p99_router_call_s is None:
+        return "router calls: none in the ingress's last minute"
+    return (
+        f"router calls at the ingress (asking to the reply, last {service.window_s:.0f} s): "
+        f"P50 {1e3 * service.p50_router_call_s:.2f} ms, P99 {1e3 * service.p99_router_call_s:.2f} ms"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
@@ -97,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(spent.values())
     print(f"{'serving path':<22} {total:>8.2f} {1e3 * total / max(1, tokens):>13.3f}")
     print(f"{'load generator':<22} {own_s:>8.2f} {1e3 * own_s / max(1, tokens):>13.3f}")
+    print(router_calls(args.url))
     return 0
 
 

@@ -209,8 +209,10 @@ class Dispatcher:
         wanted = DecisionRequest(
             request.request_id, request.prompt_tokens, request.max_tokens, avoid, self.block_ids(request)
         )
+        asked = time.perf_counter()
         try:
             reply = await asyncio.wait_for(self.decisions.decide(wanted), self.limits.decision_timeout_s)
+            self.metrics.router_calls.observe(time.perf_counter() - asked, tags={})
             if not reply.fallback:
                 self.block_tokens = reply.block_tokens
         except Exception as exc:  # whatever keeps the router from answering: disaggregate, counted

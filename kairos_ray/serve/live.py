@@ -6,7 +6,8 @@ Rolling windows of the last minute, each kept where its data is seen:
   every step the engines report (measured and predicted time) and every
   decision (which nodes a request was sent to, deflected or not);
 - the ingress's (``IngressWindow``, fed by ``serve.metrics.IngressMetrics``):
-  every TTFT and every gap between streamed tokens it measures, the
+  every TTFT and every gap between streamed tokens it measures, how long
+  each routing decision took from asking the router to its reply, the
   fallbacks (the router could not decide) and the rejections. With several
   ingress replicas, these are the figures of the replica that answered.
 
@@ -59,8 +60,8 @@ class Window(Generic[T]):
         return Counter(k for _, k, _ in self._samples)
 
 
-def p95(values: list[float]) -> float | None:
-    return float(np.percentile(values, 95)) if values else None
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
 
 
 DEFLECTED, HANDED_OFF, PREFILLED = "deflect", "handoff", "prefill"
@@ -124,25 +125,28 @@ class RouterWindow:
 
 
 class IngressWindow:
-    """What an ingress replica saw in the last minute: TTFT and TBT by route, fallbacks, rejections."""
+    """What an ingress replica saw in the last minute: TTFT and TBT by route, router calls, fallbacks, rejections."""
 
     def __init__(self, span_s: float = WINDOW_S) -> None:
         self.span_s = span_s
         self.ttft: Window[float] = Window(span_s)  # route -> TTFT
         self.tbt: Window[float] = Window(span_s)  # route -> gap between two streamed tokens
+        self.router_calls: Window[float] = Window(span_s)  # "" -> a decision's time from asking to the reply
         self.fallbacks: Window[float] = Window(span_s)  # route -> 1 per request the router could not decide
         self.rejections: Window[float] = Window(span_s)  # reason -> 1 per refused request
 
     def live(self, now: float) -> ServiceLive:
-        ttft = self.ttft.values(now)
+        ttft, calls = self.ttft.values(now), self.router_calls.values(now)
         return ServiceLive(
             window_s=self.span_s,
             num_requests=len(ttft),
             num_deflected=len(self.ttft.values(now, Route.DEFLECT.value)),
-            p95_ttft_s=p95(ttft),
-            p95_tbt_s=p95(self.tbt.values(now)),
+            p95_ttft_s=percentile(ttft, 95),
+            p95_tbt_s=percentile(self.tbt.values(now), 95),
             num_fallbacks=len(self.fallbacks.values(now)),
             rejections=dict(self.rejections.keys(now)),
+            p50_router_call_s=percentile(calls, 50),
+            p99_router_call_s=percentile(calls, 99),
         )
 
 

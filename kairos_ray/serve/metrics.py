@@ -8,6 +8,7 @@
 | kairos_view_staleness_seconds | histogram | | age of the oldest engine report behind a decision |
 | kairos_ttft_seconds | histogram | route | time to first token, at the ingress |
 | kairos_tbt_seconds | histogram | route | every gap between streamed tokens, at the ingress |
+| kairos_router_call_seconds | histogram | | a decision as the ingress waits for it: asking the router to its reply |
 | kairos_node_queue_depth | gauge | node | requests queued on a prefill node, waiting on a decode node |
 | kairos_node_batch_size | gauge | node | decoding requests on a decode node |
 | kairos_node_kv_tokens | gauge | node | resident KV tokens on a decode node |
@@ -20,8 +21,8 @@
 | kairos_predictor_refits | counter | | refits the router adopted |
 
 Both metric sets also feed the live view's windows (``serve.live``): the
-router's decisions and reported steps, the ingress's TTFT, TBT, fallbacks and
-rejections.
+router's decisions and reported steps; the ingress's TTFT, TBT, router calls,
+fallbacks and rejections.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from kairos_ray.core import Decision, PrefillNodeView, Route
 from kairos_ray.messages import NodeState
 from kairos_ray.serve.live import IngressWindow, RouterWindow, Window
 
-LATENCY_BOUNDARIES = [1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05]
+LATENCY_BOUNDARIES = [1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.05]
 SECONDS_BOUNDARIES = [0.01, 0.02, 0.05, 0.07, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
 
 
@@ -132,6 +133,13 @@ class IngressMetrics:
             Histogram("kairos_tbt_seconds", "gaps between streamed tokens", SECONDS_BOUNDARIES, tag_keys=("route",)),
             self.window.tbt,
             "route",
+        )
+        self.router_calls = _WindowedHistogram(
+            Histogram(
+                "kairos_router_call_seconds", "a decision from asking the router to its reply", LATENCY_BOUNDARIES
+            ),
+            self.window.router_calls,
+            "",
         )
         self.fallbacks = _WindowedCounter(
             Counter("kairos_decisions", "routing decisions", tag_keys=("route", "reason")),  # type: ignore[arg-type]

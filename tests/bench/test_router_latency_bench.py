@@ -15,6 +15,8 @@ def test_router_latency_bench_prints_latency_and_ceilings():
     assert result.returncode == 0, result.stderr[-2000:]
     latency = re.search(r"latency at 20 decisions/s, 8 decisions: p50 ([\d.]+) ms, p99 ([\d.]+) ms", result.stdout)
     assert latency and 0 < float(latency[1]) <= float(latency[2]), result.stdout
+    floor = re.search(r"floor, .* at 20 calls/s: p50 ([\d.]+) ms, p99 ([\d.]+) ms", result.stdout)
+    assert floor and 0 < float(floor[1]) <= float(floor[2]), result.stdout
     for calls in ("one decision per call", "16 decisions per call"):
         ceiling = re.search(rf"ceiling, {calls}, 32 callers: ([\d,]+) decisions/s", result.stdout)
         assert ceiling and int(ceiling[1].replace(",", "")) > 0, result.stdout

@@ -8,6 +8,7 @@ live under tmux). Tests run Ray without its token auth, as ``make run`` does.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import pytest
 import yaml
 
 from kairos_ray.bench.local import free_port
+from kairos_ray.bench.serving_cost import router_calls
 from kairos_ray.messages import LiveState, Role
 
 from .conftest import MODEL, app_args, running_app
@@ -146,6 +148,10 @@ def test_the_live_state_holds_every_node_and_the_last_minute(dashboard_app):
     assert any(node.num_steps and node.step_measured_s > 0 and node.step_predicted_s > 0 for node in state.router.nodes)
     service = state.service
     assert service.num_requests >= 3 and service.p95_ttft_s and service.p95_tbt_s
+    # every request asked the router, well within the decision deadline
+    assert service.p50_router_call_s is not None and service.p99_router_call_s is not None
+    assert 0 < service.p50_router_call_s <= service.p99_router_call_s < 5
+    assert re.search(r"router calls at the ingress .*: P50 [0-9.]+ ms, P99 [0-9.]+ ms$", router_calls(url))
     assert service.rejections.get("bad-request", 0) >= 1
 
 

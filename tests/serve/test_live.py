@@ -57,17 +57,20 @@ def test_router_window_counts_where_decisions_sent_requests_and_averages_steps()
 
 def test_ingress_window_sums_up_its_last_minute():
     window = IngressWindow(span_s=60.0)
-    assert window.live(0.0).p95_ttft_s is None
+    assert window.live(0.0).p95_ttft_s is None and window.live(0.0).p50_router_call_s is None
     for i in range(20):
         window.ttft.add(float(i), "deflect" if i % 4 == 0 else "prefill", 0.1 * (i + 1))
     for i in range(100):
         window.tbt.add(10.0, "prefill", 0.001 * (i + 1))
+    for i in range(100):
+        window.router_calls.add(12.0, "", 0.0001 * (i + 1))
     window.fallbacks.add(5.0, "prefill", 1.0)
     for reason in ("overload", "overload", "bad-request"):
         window.rejections.add(6.0, reason, 1.0)
     live = window.live(20.0)
     assert (live.num_requests, live.num_deflected, live.num_fallbacks) == (20, 5, 1)
     assert live.p95_ttft_s == pytest.approx(1.905) and live.p95_tbt_s == pytest.approx(0.09505)
+    assert live.p50_router_call_s == pytest.approx(0.00505) and live.p99_router_call_s == pytest.approx(0.009901)
     assert live.rejections == {"overload": 2, "bad-request": 1}
     assert window.live(70.5).num_requests == 9  # those after t=10.5
 
@@ -81,6 +84,8 @@ def a_state() -> LiveState:
     p = NodeState(PrefillNodeView("prefill-a", (5000,)), "h", 0.0)
     ingress = IngressWindow()
     ingress.ttft.add(0.0, "deflect", 0.25)
+    ingress.router_calls.add(0.0, "", 0.0014)
+    ingress.router_calls.add(0.0, "", 0.0032)
     ingress.rejections.add(0.0, "overload", 1.0)
     return LiveState(1e9, window.live("kairos", {"decode-b": (d, 0.0), "prefill-a": (p, 0.0)}, 1.0), ingress.live(1.0))
 
@@ -100,3 +105,4 @@ def test_top_renders_a_line_per_node_and_the_last_minute():
     (prefill,) = [line for line in lines if line.startswith("prefill-a ")]
     assert "1 (5000 tok)" in prefill
     assert "1 requests, 1 deflected (100 %), P95 TTFT 0.250 s" in lines[-1] and "1 rejected (overload 1)" in lines[-1]
+    assert "router call P50/P99 2.3/3.2 ms" in lines[-1]
