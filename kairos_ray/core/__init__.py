@@ -22,7 +22,15 @@ from kairos_ray.core.prefix import (
     block_hashes,
     block_ids,
 )
-from kairos_ray.core.state import ClusterView, Decision, DecodeNodeView, PrefillNodeView, Route, apply_decision
+from kairos_ray.core.state import (
+    ClusterView,
+    Decision,
+    DecodeNodeView,
+    PrefillNodeView,
+    Route,
+    apply_decision,
+    node_after,
+)
 from kairos_ray.core.sweep import tbt_safe_schedule
 
 __all__ = [
@@ -52,6 +60,7 @@ __all__ = [
     "decode_ttft_s",
     "features",
     "make_policy",
+    "node_after",
     "parse_spec",
     "prefill_ttft_exact_s",
     "prefill_ttft_paper_s",

@@ -62,6 +62,7 @@ from kairos_ray.core import (
     PrefixHits,
     Route,
     apply_decision,
+    node_after,
 )
 from kairos_ray.messages import DecisionRequest, NodeState, PrefixDelta, RouterLive, RoutingReply
 from kairos_ray.serve.metrics import RouterMetrics
@@ -228,11 +229,8 @@ class RouterState:
 
     def _node_view(self, node: str) -> PrefillNodeView | DecodeNodeView:
         """A node's last report with its own ledger entries applied, oldest first."""
-        view = self.states[node].view
-        alone = ClusterView((view,), ()) if isinstance(view, PrefillNodeView) else ClusterView((), (view,))
-        for entry in self._pending_at.get(node, {}).values():
-            alone = apply_decision(alone, entry.prompt_tokens, entry.decision, entry.output_tokens)
-        return alone.prefill[0] if alone.prefill else alone.decode[0]
+        entries = self._pending_at.get(node, {}).values()
+        return node_after(self.states[node].view, ((e.prompt_tokens, e.decision, e.output_tokens) for e in entries))
 
     def _current(self) -> ClusterView:
         """The view with the ledger applied, rebuilding only the nodes that changed since the last decision."""
