@@ -9,7 +9,7 @@ empty, as the simulator's), replays a synthetic workload with the load
 generator, runs the simulator on the very same requests, and prints both
 summaries with the ratio of each figure, the rate the load generator
 achieved, the CPU the serving path spent per streamed token (every Serve
-process of the app: proxy, ingress, router, engine replicas), in all and per
+process of the app: proxy, ingress, router and its actor, engine replicas), in all and per
 process, and the router's decisions as the ingress waited for them (P50 and
 P99 from asking to the reply). ``--idle S`` first measures each process's CPU per second while no
 request runs. Ray starts with ``kairos_ray.serve.CLUSTER_ENV``. With

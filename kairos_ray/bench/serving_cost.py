@@ -4,12 +4,15 @@ process's CPU time before and after.
     python -m kairos_ray.bench.serving_cost --url http://127.0.0.1:8000 --workload bursty --rps 4 --requests 100
 
 The serving path is every Serve process of the app (the HTTP proxy, the
-ingress, the router, every engine replica: for emulated engines their step
-loops only sleep, so all they spend is serving-path work; for vLLM engines
-the engine core's own processes are not counted). The load generator runs
-in this process and is reported apart. Run it on the app's host, connected
-to its Ray cluster. Prints CPU milliseconds per streamed token per process
-and in all, and the replay's summary.
+ingress, the router's replica and its actor, every engine replica: for
+emulated engines their step loops only sleep, so all they spend is
+serving-path work; for vLLM engines the engine core's own processes are not
+counted). The load generator runs in this process and is reported apart.
+Run it on the app's host, connected to its Ray cluster. Prints CPU
+milliseconds per streamed token per process and in all, the replay's
+summary, and the router's decisions as the ingress waited for them (from
+asking to the reply, P50 and P99 over the ingress's last minute, from
+``GET /kairos/state``).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ class Process:
 
 
 def serving_processes(app: str) -> list[Process]:
-    """The proxy (and its child processes) and every replica of ``app`` on this host."""
+    """The proxy (and its child processes), every replica of ``app`` and its router's actor, on this host."""
     named = ray.util.list_named_actors(all_namespaces=True)
     found = []
     for actor in named:
@@ -53,6 +56,7 @@ def serving_processes(app: str) -> list[Process]:
         found.append(Process(label, pid))
         if label == "proxy":  # and what it runs: HAProxy in Serve's HAProxy mode
             found += [Process(f"proxy:{child.name()}", child.pid) for child in psutil.Process(pid).children()]
+    found.append(Process("router-actor", faults.replica_pid(faults.router_actor(app))))  # decisions and reports
     return sorted(found, key=lambda p: p.name)
 
 
