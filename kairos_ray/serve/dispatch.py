@@ -211,7 +211,8 @@ class Dispatcher:
         )
         asked = time.perf_counter()
         try:
-            reply = await asyncio.wait_for(self.decisions.decide(wanted), self.limits.decision_timeout_s)
+            async with asyncio.timeout(self.limits.decision_timeout_s):  # no task of its own, as wait_for makes
+                reply = await self.decisions.decide(wanted)
             self.metrics.router_calls.observe(time.perf_counter() - asked, tags={})
             if not reply.fallback:
                 self.block_tokens = reply.block_tokens
