@@ -2,7 +2,7 @@
 
     python -m kairos_ray.bench.router_latency --rps 4 --decisions 120 --seconds 10
 
-Starts a local Ray and Serve with one ``Router`` replica (the app's own
+Starts a local Ray (with the app's ``CLUSTER_ENV``) and Serve with one ``Router`` replica (the app's own
 deployment) and reaches its ``RouterActor`` through a ``RouterLink``, as the
 ingress and the engines do. Four engine nodes (2 prefill, 2 decode, seeded
 busy states from ``kairos_ray.scenarios``) keep its view fresh with reports
@@ -39,6 +39,7 @@ from kairos_ray.config import KairosConfig
 from kairos_ray.core import DecodeNodeView, PrefillNodeView
 from kairos_ray.messages import DecisionRequest, NodeState, RoutingReply
 from kairos_ray.scenarios import prompt_tokens, random_view
+from kairos_ray.serve import use_cluster_env
 from kairos_ray.serve.router import Router, RouterOptions
 from kairos_ray.serve.router_link import RouterLink
 
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each ceiling run")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    use_cluster_env()  # the app's Serve settings, as its cluster runs it
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         app = Router.bind(KairosConfig().model_dump(mode="json"), RouterOptions())  # type: ignore[attr-defined]
@@ -178,10 +180,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ceiling, {args.batch} decisions per call, {args.callers} callers: {batched:,.0f} decisions/s")
             print(f"median of the latency run: {1e3 * statistics.median(times):.2f} ms")
             reporting.cancel()
+            # on this loop: with the app's settings the handle's request router runs on it, and it closes next
+            await serve.shutdown_async()  # type: ignore[no-untyped-call]
 
         asyncio.run(run())
     finally:
-        serve.shutdown()  # type: ignore[no-untyped-call]
         ray.shutdown()
     return 0
 

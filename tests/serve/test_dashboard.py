@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from kairos_ray.bench.local import free_port
-from kairos_ray.bench.serving_cost import router_calls
+from kairos_ray.bench.serving_cost import cpu_s, router_calls, serving_processes
 from kairos_ray.messages import LiveState, Role
 
 from .conftest import MODEL, app_args, running_app
@@ -194,3 +194,11 @@ def test_kairos_top_refreshes_every_second_under_tmux(dashboard_app):
         wait_for(lambda text: text.strip() and stamp(text) != stamp(first), "the view does not refresh")
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True)
+
+
+def test_the_serving_cost_bench_finds_every_process_of_the_serving_path(dashboard_app):
+    processes = serving_processes("kairos")
+    kinds = sorted(p.name.split("#")[0] for p in processes)
+    # the proxy, every replica, and the router's actor, which takes the decisions and reports
+    assert kinds == ["Ingress", "Router", "decode", "decode", "prefill", "prefill", "proxy", "router-actor"]
+    assert len({p.pid for p in processes}) == len(processes) and all(cpu_s(p.pid) > 0 for p in processes)
