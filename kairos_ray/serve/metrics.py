@@ -35,7 +35,8 @@ from kairos_ray.core import Decision, PrefillNodeView, Route
 from kairos_ray.messages import NodeState
 from kairos_ray.serve.live import IngressWindow, RouterWindow, Window
 
-LATENCY_BOUNDARIES = [1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.05]
+LATENCY_BOUNDARIES = [1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05]
+CALL_BOUNDARIES = [5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0]  # up to the decision deadline
 SECONDS_BOUNDARIES = [0.01, 0.02, 0.05, 0.07, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
 
 
@@ -135,9 +136,7 @@ class IngressMetrics:
             "route",
         )
         self.router_calls = _WindowedHistogram(
-            Histogram(
-                "kairos_router_call_seconds", "a decision from asking the router to its reply", LATENCY_BOUNDARIES
-            ),
+            Histogram("kairos_router_call_seconds", "a decision from asking the router to its reply", CALL_BOUNDARIES),
             self.window.router_calls,
             "",
         )
