@@ -68,6 +68,9 @@ def nodes(tmp_path_factory):
         staging = str(tmp_path_factory.mktemp(role))
         return {}, {
             "kv_timeout_s": KV_TIMEOUT_S,
+            # the watchdog is tested in tests/serve; here two engine cores share two busy cores, and a first step
+            # of a new shape has taken over 10 s (the default) there
+            "stall_timeout_s": 120.0,
             "reporter": StateReporter("", MODEL, states[role].append, interval_s=0.0, refresh_s=0.0),  # every step
             "staging_dir": staging,
             "kv_channel": "gloo",
