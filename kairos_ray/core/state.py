@@ -24,10 +24,10 @@ what is free now (a hand-off may wait in a prefill queue for minutes).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import TypeVar
+from typing import overload
 
 
 class Route(StrEnum):
@@ -88,9 +88,6 @@ class DecodeNodeView:
         return self.free_kv_tokens - self.committed_tokens
 
 
-N = TypeVar("N", PrefillNodeView, DecodeNodeView)
-
-
 @dataclass(frozen=True, slots=True)
 class ClusterView:
     """Everything a policy may look at for one decision."""
@@ -135,49 +132,31 @@ def apply_decision(view: ClusterView, prompt_tokens: int, decision: Decision, ou
     charging it would count it twice. A hit on blocks no request holds takes them off the
     node's free list; the node's next report shows that.
     """
-    cached = decision.cached_prompt_tokens
-    if decision.route is Route.PREFILL:
-        prefill = _changed(
-            view.prefill,
-            decision.prefill_node,
-            lambda node: replace(
-                node,
-                queued_prompt_tokens=(*node.queued_prompt_tokens, prompt_tokens - cached),
-                queued_cached_tokens=_extended(node.queued_cached_tokens, len(node.queued_prompt_tokens), (cached,)),
-            ),
-        )
-        decode = _changed(
-            view.decode,
-            decision.decode_node,
-            lambda node: replace(
-                node,
-                incoming_requests=node.incoming_requests + 1,
-                incoming_kv_tokens=node.incoming_kv_tokens + prompt_tokens + output_tokens,
-            ),
-        )
-        return ClusterView(prefill, decode)
-    decode = _changed(
-        view.decode,
-        decision.decode_node,
-        lambda node: replace(
-            node,
-            committed=(*node.committed, decision.chunk_schedule),
-            committed_cached_tokens=_extended(node.committed_cached_tokens, len(node.committed), (cached,)),
-            free_kv_tokens=node.free_kv_tokens - output_tokens,
-        ),
+    decided = ((prompt_tokens, decision, output_tokens),)
+    return ClusterView(
+        tuple(node_after(node, decided) for node in view.prefill),
+        tuple(node_after(node, decided) for node in view.decode),
     )
-    return replace(view, decode=decode)
 
 
+@overload
+def node_after(node: PrefillNodeView, decided: Iterable[tuple[int, Decision, int]]) -> PrefillNodeView: ...
+@overload
+def node_after(node: DecodeNodeView, decided: Iterable[tuple[int, Decision, int]]) -> DecodeNodeView: ...
+@overload
+def node_after(
+    node: PrefillNodeView | DecodeNodeView, decided: Iterable[tuple[int, Decision, int]]
+) -> PrefillNodeView | DecodeNodeView: ...
 def node_after(
     node: PrefillNodeView | DecodeNodeView, decided: Iterable[tuple[int, Decision, int]]
 ) -> PrefillNodeView | DecodeNodeView:
     """``node`` after the decisions ``decided`` (prompt tokens, decision, output tokens), in order.
 
-    What applying each in turn with ``apply_decision`` to a view of this one
-    node gives, in one pass: O(decisions), where the fold copies the node's
-    queue (or committed schedules) once per decision. The router rebuilds a
-    node from its last report and its ledger entries with it.
+    Each decision changes the node as ``apply_decision`` says; all of them
+    in one pass, O(decisions), where applying them one by one would copy the
+    node's queue (or committed schedules) once per decision. The router
+    rebuilds a node from its last report and its ledger entries with it;
+    ``apply_decision`` applies one decision to every node of a view.
     """
     if isinstance(node, PrefillNodeView):
         queued: list[int] = []
@@ -220,11 +199,6 @@ def node_after(
         incoming_requests=node.incoming_requests + incoming,
         incoming_kv_tokens=node.incoming_kv_tokens + incoming_kv,
     )
-
-
-def _changed(nodes: tuple[N, ...], node_id: str | None, change: Callable[[N], N]) -> tuple[N, ...]:
-    """``nodes`` with the one named ``node_id`` changed by ``change``."""
-    return tuple(change(node) if node.node_id == node_id else node for node in nodes)
 
 
 def _extended(cached: tuple[int, ...], length: int, values: Sequence[int]) -> tuple[int, ...]:
