@@ -91,11 +91,11 @@ async def open_loop(call: Callable[[], Awaitable[None]], rps: float, count: int,
     return times
 
 
-def request_maker(seed: int) -> Callable[[], list[DecisionRequest]]:
-    """One decision request per call, with a prompt length drawn as in the app's scenarios."""
+def request_maker(seed: int, batch: int = 1, first_id: int = 1 << 40) -> Callable[[], list[DecisionRequest]]:
+    """``batch`` decision requests per call, new ids from ``first_id``, prompt lengths as in the app's scenarios."""
     rng = random.Random(seed)
-    ids = itertools.count(1 << 40)
-    return lambda: [DecisionRequest(next(ids), prompt_tokens(rng), 256)]
+    ids = itertools.count(first_id)
+    return lambda: [DecisionRequest(next(ids), prompt_tokens(rng), 256) for _ in range(batch)]
 
 
 def one_decision(link: RouterLink, seed: int) -> Callable[[], Awaitable[None]]:
@@ -127,15 +127,14 @@ def one_echo(echo: Any, seed: int) -> Callable[[], Awaitable[None]]:
 
 
 async def ceiling(link: RouterLink, callers: int, seconds: float, batch: int, seed: int) -> float:
-    rng = random.Random(seed)
-    ids = itertools.count(1 << 41)
+    make = request_maker(seed, batch, first_id=1 << 41)  # ids apart from the latency run's: not retries of those
     done = 0
     deadline = time.monotonic() + seconds
 
     async def caller() -> None:
         nonlocal done
         while time.monotonic() < deadline:
-            requests = [DecisionRequest(next(ids), prompt_tokens(rng), 256) for _ in range(batch)]
+            requests = make()
             decided(await link.decide_many(requests), requests)
             done += batch
 
