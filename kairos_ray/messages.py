@@ -12,6 +12,8 @@ frozen structs, every field commented, units in the names.
 | ``NodeState`` (``StepRecord`` s, ``PrefixDelta``) | engine node -> router | ``engines.reporting.StateReporter`` |
 | ``DecisionRequest`` | ingress -> router | ``serve.dispatch`` (batched per event-loop tick) |
 | ``RoutingReply`` | router -> ingress | ``serve.router.RouterActor.decide_many`` (or the ingress's fallback) |
+| ``WireAddress`` | router -> ingress and engines (over Ray, once per connection) | ``serve.wire.WireServer`` |
+| ``WireCall`` / ``WireReply`` (carrying the two above) | ingress and engines <-> router (TCP) | ``serve.wire`` |
 | ``RouterLive`` (a ``NodeLive`` per node) | router -> ingress | ``serve.live.RouterWindow`` |
 | ``LiveState`` (with a ``ServiceLive``) | ingress -> ``kairos top`` (JSON) | ``serve.live`` |
 
@@ -200,6 +202,33 @@ class RoutingReply:
         """Plain disaggregation on whichever nodes Serve picks, when the router cannot decide."""
         decision = Decision(Route.PREFILL, None, None, (), None, None, f"fallback: {reason}")
         return cls(decision, 0.0, 0.0, fallback=True)
+
+
+@dataclass(frozen=True, slots=True)
+class WireAddress:
+    """Where the router's actor takes calls over TCP (``serve.wire``), learned through its Ray handle."""
+
+    host: str  # the IP of the actor's node
+    port: int
+    secret: bytes  # a caller's first bytes on a connection: nothing is unpickled before they match
+
+
+@dataclass(frozen=True, slots=True)
+class WireCall:
+    """A call on the router's actor over its TCP line (``serve.wire``)."""
+
+    call_id: int  # the reply's key on this connection; 0: no reply wanted (a report)
+    method: str  # a method the server registered: ``decide_many`` (list of ``DecisionRequest``), ``report``
+    argument: Any  # its one argument: a list of ``DecisionRequest`` or a ``NodeState``
+
+
+@dataclass(frozen=True, slots=True)
+class WireReply:
+    """The answer to a ``WireCall``."""
+
+    call_id: int
+    result: Any  # the method's result (a list of ``RoutingReply``) when ``error`` is None
+    error: str | None = None  # what the method raised
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,9 +10,10 @@ at the engines' rate, each acknowledging the decisions sent to it since its
 last report, as engines do when they take a request. Then:
 
 - latency: decisions sent open loop at ``--rps``, each timed from the call to
-  its reply (p50, p99); then, as the floor under it, the same calls to an
-  actor method that does nothing (a plain Ray actor call's round trip on
-  this machine, which varies from host to host and day to day);
+  its reply (p50, p99); then, as the floor under it, the same calls to a
+  method that does nothing, over a TCP line as the router's (``serve.wire``)
+  and as a plain Ray actor call (what the line saves: a Ray call's round
+  trip varies from host to host and day to day);
 - ceiling: ``--callers`` concurrent callers, each sending its next decision
   as soon as the last is answered, for ``--seconds``; decisions per second,
   one call per decision and in batches of ``--batch`` (``decide_many``, as
@@ -37,11 +38,12 @@ from ray import serve
 
 from kairos_ray.config import KairosConfig
 from kairos_ray.core import DecodeNodeView, PrefillNodeView
-from kairos_ray.messages import DecisionRequest, NodeState, RoutingReply
+from kairos_ray.messages import DecisionRequest, NodeState, RoutingReply, WireAddress
 from kairos_ray.scenarios import prompt_tokens, random_view
 from kairos_ray.serve import use_cluster_env
 from kairos_ray.serve.router import Router, RouterOptions
 from kairos_ray.serve.router_link import RouterLink
+from kairos_ray.serve.wire import WireClient, WireServer
 
 
 def node_states(seed: int) -> list[NodeState]:
@@ -110,18 +112,25 @@ def one_decision(link: RouterLink, seed: int) -> Callable[[], Awaitable[None]]:
 
 @ray.remote(num_cpus=0)
 class Echo:
-    """An actor whose method does nothing: what a plain Ray actor call costs on this machine, as a floor."""
+    """An actor whose ``decide_many`` does nothing, on a TCP line as the router's and as a Ray method: floors."""
 
     def decide_many(self, requests: list[DecisionRequest]) -> None:
         pass
 
+    async def wire(self) -> WireAddress:
+        self.server = WireServer({"decide_many": self.decide_many})
+        return await self.server.open(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
 
-def one_echo(echo: Any, seed: int) -> Callable[[], Awaitable[None]]:
-    """A call carrying the same request as ``one_decision``'s, to an actor method that does nothing."""
+
+def one_echo(echo: Any, wire: WireClient | None, seed: int) -> Callable[[], Awaitable[None]]:
+    """A call carrying the same request as ``one_decision``'s, to a method that does nothing (None: a Ray call)."""
     make = request_maker(seed)
 
     async def call() -> None:
-        await echo.decide_many.remote(make())
+        if wire is not None:
+            await wire.call("decide_many", make())
+        else:
+            await echo.decide_many.remote(make())
 
     return call
 
@@ -168,11 +177,13 @@ def main(argv: list[str] | None = None) -> int:
             p50, p99 = np.percentile(np.array(times) * 1e3, [50, 99])
             print(f"latency at {args.rps:g} decisions/s, {len(times)} decisions: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
             echo = Echo.remote()  # type: ignore[attr-defined]
-            await echo.decide_many.remote([])
-            floor = await open_loop(one_echo(echo, args.seed), args.rps, args.decisions, args.seed)
-            f50, f99 = np.percentile(np.array(floor) * 1e3, [50, 99])
-            print(f"floor, a plain Ray actor call with the same request to a method that does nothing, "
-                  f"at {args.rps:g} calls/s: p50 {f50:.2f} ms, p99 {f99:.2f} ms")  # fmt: skip
+            wire = await WireClient.connect(await echo.wire.remote(), 10.0)
+            for name, line in (("the same TCP line", wire), ("a plain Ray actor call", None)):
+                floor = await open_loop(one_echo(echo, line, args.seed), args.rps, args.decisions, args.seed)
+                f50, f99 = np.percentile(np.array(floor) * 1e3, [50, 99])
+                print(f"floor, {name} with the same request to a method that does nothing, "
+                      f"at {args.rps:g} calls/s: p50 {f50:.2f} ms, p99 {f99:.2f} ms")  # fmt: skip
+            wire.close()
             single = await ceiling(link, args.callers, args.seconds, 1, args.seed)
             print(f"ceiling, one decision per call, {args.callers} callers: {single:,.0f} decisions/s")
             batched = await ceiling(link, args.callers, args.seconds, args.batch, args.seed)

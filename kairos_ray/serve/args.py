@@ -410,11 +410,19 @@ class ServingConfig(_Strict):
         description="router counts a prefill-routed request on its decode node until that node takes it "
         "(its KV arrived, or was recomputed), or this long",
     )
+    router_tcp: bool = Field(
+        RouterOptions.tcp_line,
+        description="the ingress and the engines reach the router over a TCP line to a port on its node's IP "
+        "(a tenth of a Ray call's round trip); false: Ray actor calls only (nodes that cannot reach each other's "
+        "ports beyond Ray's)",
+    )
     seed: int = Field(ENGINE.seed, description="emulated engines: step-noise seed")
 
     def router_options(self) -> RouterOptions:
         """What the router uses of this section."""
-        return RouterOptions(refit_every_steps=self.refit_every_steps, handoff_ttl_s=self.handoff_ttl_s)
+        return RouterOptions(
+            refit_every_steps=self.refit_every_steps, handoff_ttl_s=self.handoff_ttl_s, tcp_line=self.router_tcp
+        )
 
     def engine_options(self) -> EngineOptions:
         """What the engines use of this section."""

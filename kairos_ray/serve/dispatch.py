@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -141,13 +142,15 @@ class DecisionBatcher:
     """Asks the router for the decisions wanted in one event-loop tick in one call (``RouterActor.decide_many``).
 
     It never waits to batch: the call goes at the end of the tick in which the
-    first decision was wanted, with whatever else that tick wanted too.
+    first decision was wanted, with whatever else that tick wanted too. A call
+    not answered within ``timeout_s`` fails its callers (who have given up on
+    it by then in any case).
     """
 
-    def __init__(self, router: RouterLink) -> None:
+    def __init__(self, router: RouterLink, timeout_s: float) -> None:
         self.router = router
+        self.timeout_s = timeout_s
         self._wanted: list[tuple[DecisionRequest, asyncio.Future[RoutingReply]]] = []
-        self._calls: set[asyncio.Task[None]] = set()
 
     async def decide(self, request: DecisionRequest) -> RoutingReply:
         loop = asyncio.get_running_loop()
@@ -159,21 +162,25 @@ class DecisionBatcher:
 
     def _send(self) -> None:
         wanted, self._wanted = self._wanted, []
-        call = asyncio.get_running_loop().create_task(self._call(wanted))
-        self._calls.add(call)
-        call.add_done_callback(self._calls.discard)
+        replies = self.router.decide_soon([request for request, _ in wanted])
+        deadline = asyncio.get_running_loop().call_later(self.timeout_s, replies.cancel)
+        replies.add_done_callback(functools.partial(self._answer, wanted, deadline))
 
-    async def _call(self, wanted: list[tuple[DecisionRequest, asyncio.Future[RoutingReply]]]) -> None:
-        try:
-            replies = await self.router.decide_many([request for request, _ in wanted])
-        except Exception as exc:  # each caller gets the failure and falls back
-            for _, reply in wanted:
-                if not reply.done():
-                    reply.set_exception(exc)
-            return
-        for (_, reply), answer in zip(wanted, replies, strict=True):
-            if not reply.done():  # a caller whose deadline passed has gone
-                reply.set_result(answer)
+    def _answer(
+        self,
+        wanted: list[tuple[DecisionRequest, asyncio.Future[RoutingReply]]],
+        deadline: asyncio.TimerHandle,
+        replies: asyncio.Future[list[RoutingReply]],
+    ) -> None:
+        deadline.cancel()
+        failure = TimeoutError(f"no answer within {self.timeout_s:g} s") if replies.cancelled() else replies.exception()
+        for i, (_, reply) in enumerate(wanted):
+            if reply.done():  # a caller whose deadline passed has gone
+                continue
+            if failure is not None:  # each caller gets the failure and falls back
+                reply.set_exception(failure)
+            else:
+                reply.set_result(replies.result()[i])
 
 
 class Dispatcher:
@@ -190,7 +197,7 @@ class Dispatcher:
     ) -> None:
         self.prefill, self.decode = prefill, decode
         self.mux = TokenMux(decode, listener)  # tokens arrive over one subscription per decode node
-        self.decisions = DecisionBatcher(RouterLink(router))
+        self.decisions = DecisionBatcher(RouterLink(router), limits.decision_timeout_s)
         self.limits = limits
         self.metrics = metrics
         self.block_tokens: tuple[int, ...] = ()  # block sizes of the nodes' prefix caches, as the router last said

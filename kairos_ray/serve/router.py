@@ -64,9 +64,10 @@ from kairos_ray.core import (
     apply_decision,
     node_after,
 )
-from kairos_ray.messages import DecisionRequest, NodeState, PrefixDelta, RouterLive, RoutingReply
+from kairos_ray.messages import DecisionRequest, NodeState, PrefixDelta, RouterLive, RoutingReply, WireAddress
 from kairos_ray.serve.metrics import RouterMetrics
 from kairos_ray.serve.refit import OnlineRefit
+from kairos_ray.serve.wire import WireServer
 
 logger = logging.getLogger("ray.serve")
 
@@ -77,6 +78,10 @@ ACTOR_PING_TIMEOUT_S = 5.0  # an actor that does not answer a ping in time is hu
 
 class MissingState(RuntimeError):
     """Some node has not reported yet; the caller falls back to plain disaggregation."""
+
+
+class LineOff(RuntimeError):
+    """The router takes Ray actor calls only (``serving.router_tcp: false``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +102,8 @@ class RouterOptions:
     """Refit the step-latency model every N reported steps (0: never)."""
     handoff_ttl_s: float = 30.0
     """Count a prefill-routed request on its decode node until that node takes it, or this long."""
+    tcp_line: bool = True
+    """Take decisions and reports on a TCP line (``serve.wire``) besides Ray actor calls."""
 
 
 class RouterState:
@@ -304,12 +311,13 @@ def _handed_to(decision: Decision) -> str:
 class RouterActor:
     """The router's state, metrics and online refit, behind plain Ray actor calls (one call at a time, in order).
 
-    Ingress replicas and engines call it directly through a ``RouterLink``:
-    a plain actor call costs a fraction of a Serve handle call (no request
-    router in the caller, no user-code thread hop in the callee), and the
-    router takes every decision and report of the cluster. The methods are
-    synchronous, so Ray runs them one after another on the actor's thread: the
-    ledger needs no lock.
+    Ingress replicas and engines call it directly through a ``RouterLink``,
+    over its TCP line (``serve.wire``: ``decide_many`` and ``report``), or as
+    plain actor calls: both cost a fraction of a Serve handle call, and the
+    router takes every decision and report of the cluster. ``wire`` makes it
+    an async actor, so every method, and every call on the line, runs on the
+    actor's one event loop; none but ``wire`` awaits, so each runs whole, one
+    after another: the ledger needs no lock.
     """
 
     def __init__(self, kairos: dict[str, Any], options: RouterOptions) -> None:
@@ -320,6 +328,19 @@ class RouterActor:
         self.state = RouterState(policy, handoff_ttl_s=options.handoff_ttl_s)
         self.metrics = RouterMetrics()
         self.refit = OnlineRefit(options.refit_every_steps) if options.refit_every_steps else None
+        self.tcp_line = options.tcp_line
+        self._server: WireServer | None = None
+        self._wire: asyncio.Future[WireAddress] | None = None
+
+    async def wire(self) -> WireAddress:
+        """The address of the actor's TCP line (``serve.wire``), opened on the node's IP at the first ask."""
+        if not self.tcp_line:
+            raise LineOff("the app's serving.router_tcp is false")
+        if self._wire is None:
+            self._server = WireServer({"decide_many": self.decide_many, "report": self.report})
+            host = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+            self._wire = asyncio.ensure_future(self._server.open(host))
+        return await asyncio.shield(self._wire)
 
     def ping(self) -> None:
         """Answers while the actor's thread is free (the ``Router`` replica's health check)."""

@@ -1,13 +1,16 @@
 """A caller's link to the router: the ``RouterActor``'s handle, fetched through the ``Router`` deployment.
 
-Decisions and reports go to the router as plain Ray actor calls (see
-``serve.router.RouterActor``). The link asks the ``Router`` replica for the
-actor's handle the first time it is needed (within ``fetch_timeout_s``) and
-again after a call on it failed: a dead actor (its replica was replaced)
-raises ``RayActorError`` at once, and the next call fetches the new one's
-handle, which Serve answers once the new replica is up. A hung actor makes
-calls time out at the caller's deadline; the replica's health check then
-replaces it, and the calls fail fast from there on.
+Decisions and reports go to the router over its TCP line (``serve.wire``),
+or as plain Ray actor calls where that line cannot be opened (a firewall
+between the nodes: logged once per actor). The link asks the ``Router``
+replica for the actor's handle the first time it is needed (within
+``fetch_timeout_s``), then the actor for its line's address, and does both
+again after a call failed: a dead actor (its replica was replaced) closes
+its connection, or raises ``RayActorError``, at once, and the next call
+fetches the new one's handle, which Serve answers once the new replica is
+up. A hung actor makes calls time out at the caller's deadline; the
+replica's health check then replaces it, and the calls fail fast from there
+on.
 
 Reports are fire and forget (``report``), sent in order: those made while
 the link is down wait, in order, until the handle comes (the last
@@ -25,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 from ray import ObjectRef
 from ray.serve.handle import DeploymentHandle
 
-from kairos_ray.messages import DecisionRequest, NodeState, RoutingReply
+from kairos_ray.messages import DecisionRequest, NodeState, RoutingReply, WireAddress
+from kairos_ray.serve.router import LineOff
+from kairos_ray.serve.wire import WireClient
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -37,6 +42,7 @@ RouterHandle = Any
 
 UNSENT_REPORTS = 1024  # reports kept while the link is down (each carries its prefix-cache delta)
 FETCH_TIMEOUT_S = 30.0  # how long asking the Router replica for its actor's handle may take (a replica starting)
+CONNECT_TIMEOUT_S = 5.0  # how long opening the actor's TCP line may take before the link uses Ray calls
 
 
 class RouterLink:
@@ -46,6 +52,7 @@ class RouterLink:
         self.router = router
         self.fetch_timeout_s = fetch_timeout_s
         self._actor: RouterHandle | None = None
+        self._wire: WireClient | None = None  # the actor's TCP line; None: Ray calls
         self._fetching: asyncio.Task[RouterHandle] | None = None
         self._unsent: deque[NodeState] = deque(maxlen=UNSENT_REPORTS)  # reports made while the link was down
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -61,23 +68,56 @@ class RouterLink:
 
     async def _fetch(self) -> RouterHandle:
         actor: RouterHandle = await asyncio.wait_for(self.router.handle.remote(), self.fetch_timeout_s)
+        self._wire = await self._connect(actor)
         self._actor = actor
         while self._unsent:
             self._send(actor, self._unsent.popleft())
         return actor
 
+    async def _connect(self, actor: RouterHandle) -> WireClient | None:
+        try:
+            address: WireAddress = await asyncio.wait_for(actor.wire.remote(), self.fetch_timeout_s)
+            return await WireClient.connect(address, CONNECT_TIMEOUT_S)
+        except LineOff:  # the app chose Ray calls
+            return None
+        except Exception as exc:  # a firewall between the nodes, or the actor died meanwhile: Ray calls
+            logger.warning("router's TCP line unavailable (%s: %s); using Ray actor calls", type(exc).__name__, exc)
+            return None
+
     def lost(self, actor: RouterHandle) -> None:
         """A call on ``actor`` failed: the next call asks for the handle again (unless it was asked already)."""
         if self._actor is actor:
             self._actor = None
+            if self._wire is not None:
+                self._wire.close()
+                self._wire = None
 
     async def decide_many(self, requests: list[DecisionRequest]) -> list[RoutingReply]:
         actor = await self.actor()
+        wire = self._wire
         try:
-            replies: list[RoutingReply] = await actor.decide_many.remote(requests)
+            if wire is not None:
+                replies: list[RoutingReply] = await wire.call("decide_many", requests)
+            else:
+                replies = await actor.decide_many.remote(requests)
         except Exception:
             self.lost(actor)
             raise
+        return replies
+
+    def decide_soon(self, requests: list[DecisionRequest]) -> asyncio.Future[list[RoutingReply]]:
+        """The replies to ``requests``: sent at once when the line is up (no task, no turn of the loop before
+        the call leaves), else by ``decide_many`` in a task. Cancelling the future abandons the call."""
+        actor, wire = self._actor, self._wire
+        if actor is None or wire is None or wire.closed:
+            return asyncio.ensure_future(self.decide_many(requests))
+        replies: asyncio.Future[list[RoutingReply]] = wire.submit("decide_many", requests)
+
+        def answered(done: asyncio.Future[list[RoutingReply]]) -> None:
+            if not done.cancelled() and done.exception() is not None:
+                self.lost(actor)
+
+        replies.add_done_callback(answered)
         return replies
 
     def report(self, state: NodeState) -> None:
@@ -86,11 +126,16 @@ class RouterLink:
         Call from the event loop the link was first used on, or from any
         thread once ``bind`` named that loop.
         """
+        loop = self._loop or asyncio.get_running_loop()
+        if self._loop is not None and not _running(self._loop):
+            loop.call_soon_threadsafe(self.report, state)  # the line is the loop's: send from it, in order
+            return
+        if self._actor is not None and self._wire is not None and self._wire.closed:
+            self.lost(self._actor)  # its actor died: keep the report for the next one
         if self._actor is not None:
             self._send(self._actor, state)
             return
         self._unsent.append(state)
-        loop = self._loop or asyncio.get_running_loop()
         loop.call_soon_threadsafe(self._fetch_in_background)
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -103,6 +148,10 @@ class RouterLink:
             self._fetching.add_done_callback(_log_failed_fetch)
 
     def _send(self, actor: RouterHandle, state: NodeState) -> None:
+        if self._wire is not None:
+            self._wire.send("report", state)
+            return
+
         def sent(future: Future[Any]) -> None:
             if future.exception() is not None:
                 self.lost(actor)
@@ -110,6 +159,14 @@ class RouterLink:
         sending: ObjectRef[None] = actor.report.remote(state)
         sending.future().add_done_callback(sent)
         self._in_flight.append(sending)
+
+
+def _running(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether this thread runs ``loop``."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 def _log_failed_fetch(task: asyncio.Task[RouterHandle]) -> None:

@@ -1,0 +1,73 @@
+"""``serve.router_link`` against a real ``Router`` deployment: over its TCP line, across its actor's death, and
+over Ray calls where the app turns the line off."""
+
+import asyncio
+import time
+
+import pytest
+import ray
+from ray import serve
+
+from kairos_ray.bench.local import local_serve
+from kairos_ray.bench.router_latency import node_states
+from kairos_ray.config import KairosConfig
+from kairos_ray.messages import DecisionRequest
+from kairos_ray.serve.router import Router, RouterOptions
+from kairos_ray.serve.router_link import RouterLink
+from kairos_ray.serve.wire import WireClosed
+
+
+async def decided_once_reported(link, request_id, within_s=90.0):
+    """Report the four nodes, then decide, until the router decides rather than falls back."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        for state in node_states(0):
+            link.report(state)
+        try:
+            (reply,) = await asyncio.wait_for(link.decide_many([DecisionRequest(request_id, 800, 64)]), 10)
+            if not reply.fallback:
+                return reply
+        except Exception:  # the actor is gone or not up yet: the link fetches it again
+            pass
+        await asyncio.sleep(0.2)
+    pytest.fail(f"no decision within {within_s} s")
+
+
+def with_router(tcp_line, body):
+    """``body(link)``'s result, run against a fresh ``Router`` deployment, once the link has a first decision."""
+    with local_serve(log_to_driver=False):
+        app = Router.bind(KairosConfig().model_dump(mode="json"), RouterOptions(tcp_line=tcp_line))
+        link = RouterLink(serve.run(app, name="router-link", route_prefix=None))
+
+        async def main():
+            first = await decided_once_reported(link, 1)
+            return first, await body(link)
+
+        return asyncio.run(main())
+
+
+def test_decisions_and_reports_go_over_the_line_and_find_the_new_actor_after_the_old_one_dies():
+    async def kill_the_actor(link):
+        assert link._wire is not None and not link._wire.closed  # the line carried the first decision
+        old, line = await link.actor(), link._wire
+        ray.kill(old)  # the replica's health check fails; Serve replaces it with a new actor
+        deadline = time.monotonic() + 30
+        while not line.closed and time.monotonic() < deadline:  # the process goes: its end of the line closes
+            await asyncio.sleep(0.05)
+        with pytest.raises(WireClosed):  # at once, not at a deadline
+            await asyncio.wait_for(link.decide_many([DecisionRequest(2, 800, 64)]), 5)
+        second = await decided_once_reported(link, 3)
+        assert await link.actor() is not old and link._wire is not None and not link._wire.closed
+        return second
+
+    first, second = with_router(True, kill_the_actor)
+    assert first.decision.prefill_node or first.decision.decode_node
+    assert second.decision.prefill_node or second.decision.decode_node
+
+
+def test_with_the_line_off_the_link_decides_over_ray_calls():
+    async def no_line(link):
+        return link._wire
+
+    first, line = with_router(False, no_line)
+    assert not first.fallback and line is None
