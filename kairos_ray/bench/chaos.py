@@ -39,6 +39,7 @@ import math
 import os
 import signal
 import statistics
+import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -75,8 +76,25 @@ class FaultRow:
     outcomes: dict[str, int]  # completed, failed, hung, lost
     serving_after_s: float  # fault to three probes in a row answered by the router's decisions
     full_after_s: float  # fault to every node back in the router's view
-    in_flight_after: int  # the ingress's count once everything is over
+    in_flight_after: int | None  # the ingress's count once everything is over (None: /health gave none)
     note: str = ""
+
+
+async def health_in_flight(url: str) -> int | None:
+    """The ingress's count of requests in flight (``GET /health``); None, said on stderr, when the answer
+    carries none (Serve's proxy answers in plain text while no ingress replica is up)."""
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        try:
+            response = await client.get("/health")
+        except httpx.HTTPError as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        else:
+            try:
+                return int(response.json()["in_flight"])
+            except (ValueError, KeyError, TypeError):
+                why = f"HTTP {response.status_code}: {response.text[:200]!r}"
+    print(f"chaos: /health gave no in-flight count ({why})", file=sys.stderr, flush=True)
+    return None
 
 
 class Chaos:
@@ -153,9 +171,8 @@ class Chaos:
                 return False
             return r.status_code == 200 and r.headers.get("x-kairos-fallback") == "0"
 
-    async def in_flight(self) -> int:
-        async with httpx.AsyncClient(base_url=self.url, timeout=30) as client:
-            return int((await client.get("/health")).json()["in_flight"])
+    async def in_flight(self) -> int | None:
+        return await health_in_flight(self.url)
 
     # ---- faults -------------------------------------------------------------------------
 
@@ -282,9 +299,10 @@ def table(rows: list[FaultRow]) -> str:
     ]
     for r in rows:
         o = r.outcomes
+        after = "?" if r.in_flight_after is None else r.in_flight_after
         lines.append(
             f"| {r.fault} | {r.sent} | {o['completed']} | {o['failed']} | {o['hung']} | {o['lost']} | "
-            f"{r.serving_after_s:.1f} s | {r.full_after_s:.1f} s | {r.in_flight_after} |"
+            f"{r.serving_after_s:.1f} s | {r.full_after_s:.1f} s | {after} |"
         )
     return "\n".join(lines)
 

@@ -139,48 +139,56 @@ class _NodeFailed(Exception):
 
 
 class DecisionBatcher:
-    """Asks the router for the decisions wanted in one event-loop tick in one call (``RouterActor.decide_many``).
+    """Asks the router for the decisions wanted in one event-loop tick in at most two calls
+    (``RouterActor.decide_many``).
 
-    It never waits to batch: the call goes at the end of the tick in which the
-    first decision was wanted, with whatever else that tick wanted too. A call
-    not answered within ``timeout_s`` fails its callers (who have given up on
-    it by then in any case).
+    It never waits to batch: the first decision a tick wants goes at once, and
+    the others that tick wants go together at its end. A call not answered
+    within ``timeout_s`` fails its callers (who have given up on it by then in
+    any case).
     """
 
     def __init__(self, router: RouterLink, timeout_s: float) -> None:
         self.router = router
         self.timeout_s = timeout_s
+        self._ticking = False  # a decision went this tick: the tick's others wait for its end
         self._wanted: list[tuple[DecisionRequest, asyncio.Future[RoutingReply]]] = []
 
     async def decide(self, request: DecisionRequest) -> RoutingReply:
         loop = asyncio.get_running_loop()
         reply: asyncio.Future[RoutingReply] = loop.create_future()
-        self._wanted.append((request, reply))
-        if len(self._wanted) == 1:
-            loop.call_soon(self._send)
+        if self._ticking:
+            self._wanted.append((request, reply))
+        else:
+            self._ticking = True
+            loop.call_soon(self._tick_over)
+            self._send([(request, reply)])
         return await reply
 
-    def _send(self) -> None:
+    def _tick_over(self) -> None:
+        self._ticking = False
         wanted, self._wanted = self._wanted, []
-        replies = self.router.decide_soon([request for request, _ in wanted])
-        deadline = asyncio.get_running_loop().call_later(self.timeout_s, replies.cancel)
-        replies.add_done_callback(functools.partial(self._answer, wanted, deadline))
+        if wanted:
+            self._send(wanted)
 
+    def _send(self, wanted: list[tuple[DecisionRequest, asyncio.Future[RoutingReply]]]) -> None:
+        answered = functools.partial(self._answer, wanted)
+        self.router.decide_then([request for request, _ in wanted], answered, self.timeout_s)
+
+    @staticmethod
     def _answer(
-        self,
         wanted: list[tuple[DecisionRequest, asyncio.Future[RoutingReply]]],
-        deadline: asyncio.TimerHandle,
-        replies: asyncio.Future[list[RoutingReply]],
+        replies: list[RoutingReply] | None,
+        failure: BaseException | None,
     ) -> None:
-        deadline.cancel()
-        failure = TimeoutError(f"no answer within {self.timeout_s:g} s") if replies.cancelled() else replies.exception()
         for i, (_, reply) in enumerate(wanted):
             if reply.done():  # a caller whose deadline passed has gone
                 continue
             if failure is not None:  # each caller gets the failure and falls back
                 reply.set_exception(failure)
             else:
-                reply.set_result(replies.result()[i])
+                assert replies is not None, "a call that did not fail has its replies"
+                reply.set_result(replies[i])
 
 
 class Dispatcher:

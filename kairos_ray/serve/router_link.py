@@ -21,6 +21,7 @@ router drop that node's mirror until its next full delta).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,7 @@ from ray.serve.handle import DeploymentHandle
 
 from kairos_ray.messages import DecisionRequest, NodeState, RoutingReply, WireAddress
 from kairos_ray.serve.router import LineOff
-from kairos_ray.serve.wire import WireClient
+from kairos_ray.serve.wire import Answered, WireClient
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -56,6 +57,7 @@ class RouterLink:
         self._fetching: asyncio.Task[RouterHandle] | None = None
         self._unsent: deque[NodeState] = deque(maxlen=UNSENT_REPORTS)  # reports made while the link was down
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._deciding: set[asyncio.Task[list[RoutingReply]]] = set()  # decisions asked over Ray calls
         self._in_flight: deque[ObjectRef[None]] = deque(maxlen=32)  # the last reports stay referenced while sent
 
     async def actor(self) -> RouterHandle:
@@ -105,20 +107,31 @@ class RouterLink:
             raise
         return replies
 
-    def decide_soon(self, requests: list[DecisionRequest]) -> asyncio.Future[list[RoutingReply]]:
-        """The replies to ``requests``: sent at once when the line is up (no task, no turn of the loop before
-        the call leaves), else by ``decide_many`` in a task. Cancelling the future abandons the call."""
+    def decide_then(self, requests: list[DecisionRequest], answered: Answered, timeout_s: float) -> None:
+        """Ask for ``requests``' replies; ``answered`` runs once, with them or with what failed the call (its
+        deadline, ``timeout_s``, included). Over the line the call leaves at once and ``answered`` runs in
+        the turn of the loop that reads the reply; otherwise ``decide_many`` runs in a task."""
+        loop = asyncio.get_running_loop()
         actor, wire = self._actor, self._wire
         if actor is None or wire is None or wire.closed:
-            return asyncio.ensure_future(self.decide_many(requests))
-        replies: asyncio.Future[list[RoutingReply]] = wire.submit("decide_many", requests)
+            task = loop.create_task(asyncio.wait_for(self.decide_many(requests), timeout_s))
+            self._deciding.add(task)
+            task.add_done_callback(functools.partial(_task_answered, answered))
+            task.add_done_callback(self._deciding.discard)
+            return
 
-        def answered(done: asyncio.Future[list[RoutingReply]]) -> None:
-            if not done.cancelled() and done.exception() is not None:
+        def replied(replies: Any, error: BaseException | None) -> None:
+            deadline.cancel()
+            if error is not None:
                 self.lost(actor)
+            answered(replies, error)
 
-        replies.add_done_callback(answered)
-        return replies
+        def expired() -> None:
+            wire.forget(call_id)
+            answered(None, TimeoutError(f"the router did not answer within {timeout_s:g} s"))
+
+        deadline = loop.call_later(timeout_s, expired)
+        call_id = wire.submit("decide_many", requests, replied)
 
     def report(self, state: NodeState) -> None:
         """Send a node's state without waiting; while the link is down, keep it and fetch the handle.
@@ -159,6 +172,15 @@ class RouterLink:
         sending: ObjectRef[None] = actor.report.remote(state)
         sending.future().add_done_callback(sent)
         self._in_flight.append(sending)
+
+
+def _task_answered(answered: Answered, task: asyncio.Task[list[RoutingReply]]) -> None:
+    if task.cancelled():  # its loop is closing
+        answered(None, RuntimeError("the call to the router was cancelled"))
+    elif task.exception() is not None:
+        answered(None, task.exception())
+    else:
+        answered(task.result(), None)
 
 
 def _running(loop: asyncio.AbstractEventLoop) -> bool:

@@ -15,7 +15,10 @@ caller has sent the server's secret, which only a holder of the actor's Ray
 handle can learn, as the connection's first bytes; a frame over
 ``MAX_FRAME_BYTES`` closes the connection. A call waits for its reply at most
 the caller's deadline; a closed connection fails every call waiting on it at
-once, and the link then reconnects (``serve.router_link``).
+once, and the link then reconnects (``serve.router_link``). The client reads
+replies as an ``asyncio.Protocol`` and answers each call in the turn of the
+event loop that read its reply: on a busy ingress loop every turn between the
+socket and the caller costs a share of a millisecond.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import pickle
 import secrets
 import struct
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from kairos_ray.messages import WireAddress, WireCall, WireReply
 
@@ -41,6 +44,8 @@ _LENGTH = struct.Struct("!I")
 
 Handler = Callable[[Any], Any]
 """Runs one call on the server's event loop, without awaiting (calls are taken one at a time, in order)."""
+Answered = Callable[[Any, BaseException | None], None]
+"""Takes a call's result, or what failed it (then the result is None)."""
 
 
 class WireClosed(ConnectionError):
@@ -53,6 +58,7 @@ def _frame(message: WireCall | WireReply) -> bytes:
 
 
 async def _read(reader: asyncio.StreamReader) -> Any:
+    """The server's side: one frame, unpickled (only once the caller has proved itself)."""
     (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
     if length > MAX_FRAME_BYTES:
         raise WireClosed(f"a frame of {length} bytes (at most {MAX_FRAME_BYTES})")
@@ -107,73 +113,117 @@ class WireServer:
             return WireReply(call.call_id, None, f"{type(exc).__name__}: {exc}")
 
 
-class WireClient:
-    """One connection to a ``WireServer``: calls answered by ``call_id``, in any number at once."""
+class WireClient(asyncio.Protocol):
+    """One connection to a ``WireServer``: calls answered by ``call_id``, in any number at once.
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader, self._writer = reader, writer
+    Replies are read as they arrive (a protocol, not a reader task), and each
+    call's ``Answered`` runs there, in the turn of the event loop that read it.
+    """
+
+    def __init__(self) -> None:
+        self._transport: asyncio.WriteTransport | None = None
+        self._buffer = bytearray()
         self._ids = itertools.count(1)
-        self._waiting: dict[int, asyncio.Future[Any]] = {}
-        self._listening = asyncio.get_running_loop().create_task(self._listen())
+        self._waiting: dict[int, Answered] = {}
+        self._ended: BaseException | None = None  # why the connection closed
 
     @classmethod
     async def connect(cls, address: WireAddress, timeout_s: float) -> WireClient:
+        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout_s):
-                reader, writer = await asyncio.open_connection(address.host, address.port)
+                _, client = await loop.create_connection(cls, address.host, address.port)
         except (OSError, TimeoutError) as exc:
             raise WireClosed(f"cannot reach the router at {address.host}:{address.port}: {exc}") from exc
-        writer.write(address.secret)
-        return cls(reader, writer)
+        client._write(address.secret)
+        return client
 
     @property
     def closed(self) -> bool:
-        return self._listening.done()
+        return self._ended is not None
 
-    def submit(self, method: str, argument: Any) -> asyncio.Future[Any]:
-        """Send the call now; its future holds the handler's result (``WireClosed`` if the connection closes
-        first, ``RuntimeError`` if the handler raised). Cancelling it forgets the call."""
-        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        if self.closed:
-            answer.set_exception(WireClosed("the connection to the router is closed"))
-            return answer
+    def submit(self, method: str, argument: Any, answered: Answered) -> int:
+        """Send the call now; ``answered`` runs once, with its result or with what failed it (``WireClosed``:
+        the connection closed first, at once if it was; ``RuntimeError``: the handler raised). Returns the
+        call's id, for ``forget``."""
+        if self._ended is not None:
+            answered(None, WireClosed(f"the connection to the router is closed ({self._ended})"))
+            return 0
         call_id = next(self._ids)
-        self._waiting[call_id] = answer
-        answer.add_done_callback(lambda _: self._waiting.pop(call_id, None))
-        self._writer.write(_frame(WireCall(call_id, method, argument)))
-        return answer
+        self._waiting[call_id] = answered
+        self._write(_frame(WireCall(call_id, method, argument)))
+        return call_id
+
+    def forget(self, call_id: int) -> None:
+        """Give up on a call: its ``Answered`` will not run."""
+        self._waiting.pop(call_id, None)
 
     async def call(self, method: str, argument: Any) -> Any:
-        """``submit``, awaited."""
-        return await self.submit(method, argument)
+        """``submit``, awaited: the result, or what failed the call raised."""
+        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+        def answered(result: Any, error: BaseException | None) -> None:
+            if answer.done():
+                return
+            if error is None:
+                answer.set_result(result)
+            else:
+                answer.set_exception(error)
+
+        call_id = self.submit(method, argument, answered)
+        try:
+            return await answer
+        finally:
+            self.forget(call_id)
 
     def send(self, method: str, argument: Any) -> None:
         """A call without an answer, sent in order with the others (nothing if the connection is closed)."""
-        if not self.closed:
-            self._writer.write(_frame(WireCall(0, method, argument)))
+        if self._ended is None:
+            self._write(_frame(WireCall(0, method, argument)))
 
     def close(self) -> None:
-        self._listening.cancel()
-        self._writer.close()
+        self._end(WireClosed("the link closed this connection"))
 
-    async def _listen(self) -> None:
-        why: BaseException
-        try:
-            while True:
-                reply = await _read(self._reader)
-                answer = self._waiting.get(reply.call_id) if isinstance(reply, WireReply) else None
-                if answer is None or answer.done():
-                    continue
-                if reply.error is None:
-                    answer.set_result(reply.result)
-                else:
-                    answer.set_exception(RuntimeError(f"the router's call failed: {reply.error}"))
-        except asyncio.CancelledError:
-            why = WireClosed("the link closed this connection")
-        except Exception as exc:  # the peer closed, reset or sent garbage: the connection is done
-            why = exc
-        finally:
-            self._writer.close()
-        for answer in list(self._waiting.values()):
-            if not answer.done():
-                answer.set_exception(WireClosed(f"the connection to the router closed ({why})"))
+    def _write(self, data: bytes) -> None:
+        assert self._transport is not None, "connected"
+        self._transport.write(data)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.WriteTransport, transport)  # uvloop's is not asyncio's class
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        while len(self._buffer) >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(self._buffer)
+            if length > MAX_FRAME_BYTES:
+                self._end(WireClosed(f"a frame of {length} bytes (at most {MAX_FRAME_BYTES})"))
+                return
+            if len(self._buffer) < _LENGTH.size + length:
+                return
+            body = bytes(self._buffer[_LENGTH.size : _LENGTH.size + length])
+            del self._buffer[: _LENGTH.size + length]
+            try:
+                reply = pickle.loads(body)
+            except Exception as exc:  # garbage from the peer: the connection is done
+                self._end(exc)
+                return
+            answered = self._waiting.pop(reply.call_id, None) if isinstance(reply, WireReply) else None
+            if answered is None:
+                continue  # a call given up on
+            if reply.error is None:
+                answered(reply.result, None)
+            else:
+                answered(None, RuntimeError(f"the router's call failed: {reply.error}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end(exc or WireClosed("the router closed the connection"))
+
+    def _end(self, why: BaseException) -> None:
+        """Closed for good: every call waiting fails with ``WireClosed``."""
+        if self._ended is None:
+            self._ended = why
+        if self._transport is not None:
+            self._transport.close()
+        waiting, self._waiting = self._waiting, {}
+        for answered in waiting.values():
+            answered(None, WireClosed(f"the connection to the router closed ({why})"))

@@ -9,9 +9,16 @@ import pytest
 from kairos_ray.messages import WireAddress, WireCall
 from kairos_ray.serve.wire import MAX_FRAME_BYTES, WireClient, WireClosed, WireServer
 
+LOOPS = ["asyncio", "uvloop"]  # Serve's replicas run uvloop, whose transports are not asyncio's classes
 
-def run(coroutine):
-    return asyncio.run(asyncio.wait_for(coroutine, 30))
+
+@pytest.fixture(params=LOOPS)
+def run(request):
+    """Runs a coroutine on a fresh event loop of each kind."""
+    if request.param == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        return lambda coroutine: uvloop.run(asyncio.wait_for(coroutine, 30))
+    return lambda coroutine: asyncio.run(asyncio.wait_for(coroutine, 30))
 
 
 class Recorder:
@@ -34,7 +41,7 @@ class Recorder:
         return {"add": add, "note": note, "fail": fail}
 
 
-def test_calls_are_answered_by_id_and_one_way_sends_run_in_order_before_later_calls():
+def test_calls_are_answered_by_id_and_one_way_sends_run_in_order_before_later_calls(run):
     recorder = Recorder()
 
     async def main():
@@ -53,7 +60,7 @@ def test_calls_are_answered_by_id_and_one_way_sends_run_in_order_before_later_ca
     assert [value for name, value in recorder.calls if name == "add"][:20] == [(i, 10 * i) for i in range(20)]
 
 
-def test_a_handler_s_error_comes_back_to_its_caller_and_the_line_stays_up():
+def test_a_handler_s_error_comes_back_to_its_caller_and_the_line_stays_up(run):
     async def main():
         server = WireServer(Recorder().handlers())
         client = await WireClient.connect(await server.open("127.0.0.1"), 5)
@@ -74,7 +81,7 @@ async def raw_connection(address, first_bytes):
     return reader, writer
 
 
-def test_nothing_is_unpickled_before_the_caller_sends_the_secret():
+def test_nothing_is_unpickled_before_the_caller_sends_the_secret(run):
     recorder = Recorder()
 
     async def main():
@@ -90,7 +97,7 @@ def test_nothing_is_unpickled_before_the_caller_sends_the_secret():
     assert recorder.calls == []
 
 
-def test_a_frame_longer_than_the_limit_closes_the_connection_unread():
+def test_a_frame_longer_than_the_limit_closes_the_connection_unread(run):
     async def main():
         server = WireServer(Recorder().handlers())
         address = await server.open("127.0.0.1")
@@ -102,7 +109,7 @@ def test_a_frame_longer_than_the_limit_closes_the_connection_unread():
     run(main())
 
 
-def test_a_call_waiting_when_the_peer_goes_fails_at_once():
+def test_a_call_waiting_when_the_peer_goes_fails_at_once(run):
     async def main():
         accepted = asyncio.Event()
 
@@ -127,7 +134,7 @@ def test_a_call_waiting_when_the_peer_goes_fails_at_once():
     run(main())
 
 
-def test_connecting_where_nothing_listens_fails_with_the_address():
+def test_connecting_where_nothing_listens_fails_with_the_address(run):
     async def main():
         server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
@@ -137,3 +144,19 @@ def test_connecting_where_nothing_listens_fails_with_the_address():
             await WireClient.connect(WireAddress("127.0.0.1", port, b"s" * 32), 5)
 
     run(main())
+
+
+def test_a_call_given_up_on_is_not_answered_and_a_closed_line_answers_at_once(run):
+    async def main():
+        server = WireServer(Recorder().handlers())
+        client = await WireClient.connect(await server.open("127.0.0.1"), 5)
+        answers = []
+        forgotten = client.submit("add", (1, 1), lambda result, error: answers.append(("forgotten", result)))
+        client.forget(forgotten)
+        assert await client.call("add", (2, 2)) == 4  # answered after the forgotten one: that one's reply came
+        client.close()
+        client.submit("add", (3, 3), lambda result, error: answers.append(("after close", type(error))))
+        server.close()
+        return answers
+
+    assert run(main()) == [("after close", WireClosed)]
