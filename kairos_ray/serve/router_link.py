@@ -177,8 +177,8 @@ class RouterLink:
 def _task_answered(answered: Answered, task: asyncio.Task[list[RoutingReply]]) -> None:
     if task.cancelled():  # its loop is closing
         answered(None, RuntimeError("the call to the router was cancelled"))
-    elif task.exception() is not None:
-        answered(None, task.exception())
+    elif (failure := task.exception()) is not None:
+        answered(None, failure)
     else:
         answered(task.result(), None)
 

@@ -57,11 +57,17 @@ def _frame(message: WireCall | WireReply) -> bytes:
     return _LENGTH.pack(len(body)) + body
 
 
-async def _read(reader: asyncio.StreamReader) -> Any:
-    """The server's side: one frame, unpickled (only once the caller has proved itself)."""
-    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+def _length(header: bytes | bytearray) -> int:
+    """A frame's length, from the header at the start of ``header``; ``WireClosed`` past ``MAX_FRAME_BYTES``."""
+    (length,) = _LENGTH.unpack_from(header)
     if length > MAX_FRAME_BYTES:
         raise WireClosed(f"a frame of {length} bytes (at most {MAX_FRAME_BYTES})")
+    return int(length)
+
+
+async def _read(reader: asyncio.StreamReader) -> Any:
+    """The server's side: one frame, unpickled (only once the caller has proved itself)."""
+    length = _length(await reader.readexactly(_LENGTH.size))
     return pickle.loads(await reader.readexactly(length))
 
 
@@ -194,9 +200,10 @@ class WireClient(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self._buffer += data
         while len(self._buffer) >= _LENGTH.size:
-            (length,) = _LENGTH.unpack_from(self._buffer)
-            if length > MAX_FRAME_BYTES:
-                self._end(WireClosed(f"a frame of {length} bytes (at most {MAX_FRAME_BYTES})"))
+            try:
+                length = _length(self._buffer)
+            except WireClosed as exc:
+                self._end(exc)
                 return
             if len(self._buffer) < _LENGTH.size + length:
                 return
