@@ -8,16 +8,16 @@ import pytest
 
 from kairos_ray.bench.chaos import health_in_flight
 
+ANSWERS = {  # path -> (status, content type, body)
+    "/ok/health": (200, "application/json", b'{"status": "ok", "in_flight": 3}'),
+    "/replacing/health": (503, "text/plain", b"Service Unavailable"),
+    "/odd/health": (200, "application/json", b'{"status": "ok"}'),
+}
+
 
 class Health(http.server.BaseHTTPRequestHandler):
-    answers: dict[str, tuple[int, str, bytes]] = {
-        "/ok/health": (200, "application/json", b'{"status": "ok", "in_flight": 3}'),
-        "/replacing/health": (503, "text/plain", b"Service Unavailable"),
-        "/odd/health": (200, "application/json", b'{"status": "ok"}'),
-    }
-
-    def do_GET(self):  # noqa: N802 - the standard library's name
-        status, kind, body = self.answers[self.path]
+    def do_GET(self):
+        status, kind, body = ANSWERS[self.path]
         self.send_response(status)
         self.send_header("content-type", kind)
         self.send_header("content-length", str(len(body)))
