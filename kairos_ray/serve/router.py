@@ -64,6 +64,7 @@ from kairos_ray.core import (
     apply_decision,
     node_after,
 )
+from kairos_ray.heap import freeze_startup_heap
 from kairos_ray.messages import DecisionRequest, NodeState, PrefixDelta, RouterLive, RoutingReply, WireAddress
 from kairos_ray.serve.metrics import RouterMetrics
 from kairos_ray.serve.refit import OnlineRefit
@@ -331,6 +332,8 @@ class RouterActor:
         self.tcp_line = options.tcp_line
         self._server: WireServer | None = None
         self._wire: asyncio.Future[WireAddress] | None = None
+        if ray.get_runtime_context().get_actor_id() is not None:  # in its own process: a caller's heap is left be
+            freeze_startup_heap("router", logger)
 
     async def wire(self) -> WireAddress:
         """The address of the actor's TCP line (``serve.wire``), opened on the node's IP at the first ask."""
@@ -382,7 +385,7 @@ class RouterActor:
         if result.model is not None:
             logger.info(
                 "kairos refit: step-latency MAPE %.1f %% -> %.1f %% on %d reported steps",
-                100 * result.current_mape, 100 * result.refit_mape, len(self.refit.samples),
+                100 * result.current_mape, 100 * result.refit_mape, self.refit.num_samples,
             )  # fmt: skip
             self.model = result.model
             self.state.policy = self.config.build_policy(

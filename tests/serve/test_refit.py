@@ -49,9 +49,9 @@ def test_steps_without_a_measured_time_are_ignored():
     online = OnlineRefit(every=2)
     online.add([])  # a heartbeat: no step
     online.add([StepRecord(1, 10, 0, 0.0, 0.0)])
-    assert not online.due and len(online.samples) == 0
+    assert not online.due and online.num_samples == 0
     online.add([StepRecord(1, 10, 0, 0.01, 0.0), StepRecord(2, 20, 64, 0.02, 0.0)])  # a report with two steps
-    assert online.due and len(online.samples) == 2
+    assert online.due and online.num_samples == 2
     with pytest.raises(ValueError, match="every <= window"):
         OnlineRefit(every=10, window=5)
 
@@ -69,3 +69,10 @@ def test_the_router_adopts_a_refit_into_its_policy_keeping_the_configs_knobs():
     assert after is not before and after.spec == before.spec and after.params == before.params
     assert after.decode_model is router.model  # the refit model, not the shipped one
     assert router.model.step_s(64, 200_000, 512) == pytest.approx(ACTUAL.step_s(64, 200_000, 512), rel=0.05)
+
+
+def test_the_window_keeps_the_latest_steps():
+    online = OnlineRefit(every=2, window=4)
+    online.add([StepRecord(1, 10, 0, 0.001 * (i + 1), 0.0) for i in range(6)])
+    assert online.num_samples == 4
+    assert sorted(online.table().step_s) == pytest.approx([0.003, 0.004, 0.005, 0.006])  # the first two overwritten
