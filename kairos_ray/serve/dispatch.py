@@ -205,7 +205,9 @@ class Dispatcher:
     ) -> None:
         self.prefill, self.decode = prefill, decode
         self.mux = TokenMux(decode, listener)  # tokens arrive over one subscription per decode node
-        self.decisions = DecisionBatcher(RouterLink(router), limits.decision_timeout_s)
+        link = RouterLink(router)
+        link.prefetch()  # the replica is starting: its first decision finds the handle and the line
+        self.decisions = DecisionBatcher(link, limits.decision_timeout_s)
         self.limits = limits
         self.metrics = metrics
         self.block_tokens: tuple[int, ...] = ()  # block sizes of the nodes' prefix caches, as the router last said

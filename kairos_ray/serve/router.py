@@ -332,7 +332,7 @@ class RouterActor:
         self.tcp_line = options.tcp_line
         self._server: WireServer | None = None
         self._wire: asyncio.Future[WireAddress] | None = None
-        if ray.get_runtime_context().get_actor_id() is not None:  # in its own process: a caller's heap is left be
+        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:  # its own process only
             freeze_startup_heap("router", logger)
 
     async def wire(self) -> WireAddress:

@@ -25,7 +25,9 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def nixl_nodes():
     def per_role(role):  # each engine its own side-channel port, as each replica picks one
-        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}, {}
+        # The watchdog at a minute: once on a 2-core CI machine the prefill node's first NIXL step went 10 s
+        # (the default) without a step or an answer, and this test is about the tokens, not the watchdog.
+        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}, {"stall_timeout_s": 60.0}
 
     with node_pair({**TINY_KWARGS, "kv_transfer_config": NIXL}, per_role) as nodes:
         yield nodes

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import ray
 import yaml
 from pydantic import ValidationError
 from ray.llm._internal.serve.constants import DEFAULT_MAX_TARGET_ONGOING_REQUESTS
@@ -210,6 +211,7 @@ def test_the_serving_section_sets_the_routers_hand_off_ttl_and_refit():
     app = AppArgs.model_validate(args)
     router = RouterActor(app.kairos.model_dump(mode="json"), app.serving.router_options())
     assert router.state.handoff_ttl_s == 7.5 and router.refit is not None
+    assert not ray.is_initialized()  # built outside an actor, it starts no Ray (the tests after would join it)
     args["serving"] = {"handoff_ttl_s": 0}
     with pytest.raises(ValidationError, match=r"serving\.handoff_ttl_s"):
         AppArgs.model_validate(args)

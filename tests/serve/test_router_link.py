@@ -34,14 +34,22 @@ async def decided_once_reported(link, request_id, within_s=90.0):
 
 
 def with_router(tcp_line, body):
-    """``body(link)``'s result, run against a fresh ``Router`` deployment, once the link has a first decision."""
+    """(first decision, line open before it, ``body(link)``'s result) against a fresh ``Router`` deployment.
+
+    The link is prefetched, as an ingress's is when it starts, and the first decision waits until it has the
+    actor's handle: whether the line was open by then is the second element."""
     with local_serve(log_to_driver=False):
         app = Router.bind(KairosConfig().model_dump(mode="json"), RouterOptions(tcp_line=tcp_line))
         link = RouterLink(serve.run(app, name="router-link", route_prefix=None))
 
         async def main():
+            link.prefetch()
+            deadline = time.monotonic() + 60
+            while link._actor is None and time.monotonic() < deadline:  # no call made: the prefetch alone
+                await asyncio.sleep(0.05)
+            prefetched = link._wire is not None and not link._wire.closed
             first = await decided_once_reported(link, 1)
-            return first, await body(link)
+            return first, prefetched, await body(link)
 
         return asyncio.run(main())
 
@@ -60,7 +68,8 @@ def test_decisions_and_reports_go_over_the_line_and_find_the_new_actor_after_the
         assert await link.actor() is not old and link._wire is not None and not link._wire.closed
         return second
 
-    first, second = with_router(True, kill_the_actor)
+    first, prefetched, second = with_router(True, kill_the_actor)
+    assert prefetched  # the line was open before the first call
     assert first.decision.prefill_node or first.decision.decode_node
     assert second.decision.prefill_node or second.decision.decode_node
 
@@ -69,5 +78,5 @@ def test_with_the_line_off_the_link_decides_over_ray_calls():
     async def no_line(link):
         return link._wire
 
-    first, line = with_router(False, no_line)
-    assert not first.fallback and line is None
+    first, prefetched, line = with_router(False, no_line)
+    assert not first.fallback and line is None and not prefetched
