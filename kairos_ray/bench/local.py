@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 from collections.abc import Iterator
 
@@ -11,12 +12,23 @@ from ray import serve
 
 from kairos_ray.serve import use_cluster_env
 
+# Where ``free_port`` looks: above Ray's worker ports (10002-19999 by default) and below the kernel's
+# ephemeral ports (32768-60999 on Linux), from which every socket bound to port 0 gets one, Ray's own
+# components' included. A port the kernel handed out as free could be taken by one of those before its
+# user binds it (a Ray dashboard given such a port once failed to start); one from here cannot.
+FREE_PORTS = range(20000, 32768)
+
 
 def free_port() -> int:
-    """A TCP port of 127.0.0.1 free now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port of 127.0.0.1 free now, from ``FREE_PORTS``."""
+    for port in random.sample(FREE_PORTS, 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # taken
+                continue
+            return port
+    raise OSError(f"no free port among 64 tried in {FREE_PORTS.start}-{FREE_PORTS.stop - 1}")
 
 
 @contextlib.contextmanager

@@ -4,22 +4,15 @@ The prefill node's ``kv_transfer_params`` are the hand-off; the decode node's
 NixlConnector pulls the blocks. Greedy tokens must equal a plain run's.
 """
 
-import socket
-
 import pytest
 
+from kairos_ray.bench.local import free_port
 from tests.engines.test_vllm_engine import OUTPUT, plain_tokens, request, tokens
 from tests.engines.tiny import PROMPTS, TINY_KWARGS, node_pair
 
 pytest.importorskip("nixl", reason="the NixlConnector needs the nixl package")
 
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
