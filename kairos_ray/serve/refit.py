@@ -10,7 +10,7 @@ the window better than the model in use.
 
 The refit runs on the router's event loop, between its decisions, so it must
 be brief: the window is kept as rows of one preallocated array (a ring),
-which the fit and both errors read as they are (from a deque of tuples,
+which the fit and both errors read as views (from a deque of tuples,
 building that array took 2 ms of the refit's 10, three times over).
 """
 
@@ -64,15 +64,14 @@ class OnlineRefit:
         data = self._rows[: self.num_samples]
         return ProfileTable(data[:, 0], data[:, 1], data[:, 2], data[:, 3], data[:, 4])
 
-    def mape(self, model: StepLatencyModel, table: ProfileTable | None = None) -> float:
+    def mape(self, model: StepLatencyModel) -> float:
         """The model's mean absolute percentage error on the window (the live prediction error)."""
-        table = self.table() if table is None else table
+        table = self.table()
         predicted = model.step_s_array(table.batch_size, table.kv_tokens, table.chunk_tokens, table.prefix_tokens)
         return float(np.mean(np.abs(predicted - table.step_s) / table.step_s))
 
     def refit(self, current: StepLatencyModel) -> Refit:
         self.since_refit = 0
-        table = self.table()
-        candidate = fit(table, tile_tokens=current.tile_tokens).model
-        current_mape, refit_mape = self.mape(current, table), self.mape(candidate, table)
+        candidate = fit(self.table(), tile_tokens=current.tile_tokens).model
+        current_mape, refit_mape = self.mape(current), self.mape(candidate)
         return Refit(candidate if refit_mape < current_mape else None, current_mape, refit_mape)
