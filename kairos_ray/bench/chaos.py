@@ -65,6 +65,7 @@ FAULTS = (
 )
 OUTCOMES = ("completed", "failed", "hung", "lost")
 FRESH_S = 5.0  # a node whose last report is older is not serving (the router forgets it then)
+STATES_TIMEOUT_S = 30.0  # reading the router's view (Router.snapshot) may take this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,12 +111,18 @@ class Chaos:
         from ray import serve
 
         router = serve.get_deployment_handle("Router", app_name=self.app)
-        states: dict[str, NodeState] = router.snapshot.remote().result()
+        states: dict[str, NodeState] = router.snapshot.remote().result(timeout_s=STATES_TIMEOUT_S)
         return states
 
     def whole(self) -> bool:
-        """Every node of both pools in the router's view, each with a report of the last five seconds."""
-        states = self.states().values()
+        """Every node of both pools in the router's view, each with a report of the last five seconds.
+
+        Not while the view cannot be read: the ``Router`` replica killed, or hung, and not yet replaced.
+        """
+        try:
+            states = self.states().values()
+        except Exception:  # its replica died under the call (RayActorError), or did not answer in time
+            return False
         fresh = all(time.time() - s.wall_s < FRESH_S for s in states)
         return fresh and Counter(s.role for s in states) == self.pools
 

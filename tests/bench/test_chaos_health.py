@@ -50,3 +50,17 @@ def test_no_count_and_what_came_said_when_the_answer_carries_none(server, app, c
 
 def test_no_count_when_nothing_answers():
     assert asyncio.run(health_in_flight("http://127.0.0.1:9")) is None
+
+
+def test_the_view_is_not_whole_while_the_router_cannot_be_read(monkeypatch):
+    from ray.exceptions import ActorDiedError
+
+    from kairos_ray.bench.chaos import Chaos
+
+    chaos = object.__new__(Chaos)  # no app: only the view's reading is under test
+
+    def dead():
+        raise ActorDiedError()
+
+    monkeypatch.setattr(chaos, "states", dead)
+    assert chaos.whole() is False  # the router-kill fault's moment: not whole, and no crash of the tool
