@@ -1,4 +1,5 @@
-"""A partly cached prompt's hand-off on real vLLM CPU engines (``serve_configs/2p2d-cpu.yaml``, policy ``pd``).
+"""A partly cached prompt's hand-off on real vLLM CPU engines (``serve_configs/2p2d-cpu.yaml`` on one prefill and
+one decode node, policy ``pd``).
 
 When a disaggregated request's decode node already holds the start of its
 prompt (a conversation's history), the prefill node's connector stages only
@@ -16,8 +17,11 @@ from tests.serve.test_vllm_prefix import MODEL, completion, next_turn
 
 @pytest.fixture(scope="module")
 def pd_app():
-    """The shipped 2P2D CPU app, every request disaggregated (prefix-aware ``pd``): (base URL, metrics URL)."""
+    """The shipped CPU app on one node of each pool (a hand-off needs no more, and each engine takes tens of seconds
+    to start), every request disaggregated (prefix-aware ``pd``): (base URL, metrics URL)."""
     args = args_of("2p2d-cpu.yaml")
+    for pool in ("prefill_config", "decode_config"):
+        args[pool]["deployment_config"]["num_replicas"] = 1
     args["kairos"]["policy"]["name"] = "pd"
     with running_app(args, MODEL, ready_within_s=420) as urls:
         yield urls

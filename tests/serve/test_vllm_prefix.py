@@ -1,4 +1,5 @@
-"""Prefix-aware routing on real vLLM CPU engines: ``serve_configs/2p2d-cpu.yaml`` as shipped (the Kairos policy).
+"""Prefix-aware routing on real vLLM CPU engines: ``serve_configs/2p2d-cpu.yaml`` (the Kairos policy) on one prefill
+node and its two decode nodes.
 
 The engines publish their KV cache events to their actors, which report the
 changes to the router (``engines.vllm_events``); the ingress hashes each
@@ -23,8 +24,11 @@ VOCAB = 1024  # the tiny model's
 
 @pytest.fixture(scope="module")
 def shipped_app():
-    """The shipped 2P2D CPU app (base URL, metrics URL)."""
-    with running_app(args_of("2p2d-cpu.yaml"), MODEL, ready_within_s=420) as urls:
+    """The shipped CPU app with one prefill node (the choice under test is between the two decode nodes, and each
+    engine takes tens of seconds to start): (base URL, metrics URL)."""
+    args = args_of("2p2d-cpu.yaml")
+    args["prefill_config"]["deployment_config"]["num_replicas"] = 1
+    with running_app(args, MODEL, ready_within_s=420) as urls:
         yield urls
 
 
