@@ -5,7 +5,10 @@ baseline routes instead, cache-blind (short prompts deflected in 128-token
 chunks, long ones disaggregated), so that both routes are taken on purpose,
 whatever this machine's speed and whatever the nodes' prefix caches hold. The
 context is 1,024 tokens (engines and app), so that a request without
-``max_tokens``, which runs to the end of the context, ends soon.
+``max_tokens``, which runs to the end of the context, ends soon. One prefill
+node serves (the tests send one request at a time, and each engine takes tens
+of seconds to start); the two decode nodes stay, for a stream to move from one
+to the other.
 
 Beside the app runs vLLM's own OpenAI server on the same model and engine
 arguments: the same requests to both must give the same answers, on both
@@ -117,6 +120,7 @@ def cpu_args() -> dict:
     args["kairos"]["policy"]["static_chunk_tokens"] = 128  # deflections run in several chunks
     args["serving"]["engine_stall_timeout_s"] = 8.0  # a stopped engine core shows within seconds
     args["serving"]["context_tokens"] = CONTEXT
+    args["prefill_config"]["deployment_config"]["num_replicas"] = 1
     for pool in ("prefill_config", "decode_config"):
         args[pool]["engine_kwargs"] = {**args[pool]["engine_kwargs"], "max_model_len": CONTEXT}
     return args
