@@ -1,7 +1,12 @@
-"""The load generator's accounting of tokens that come several to an event."""
+"""The load generator's accounting of tokens that come several to an event, and its reading of a stream."""
 
+import asyncio
+import itertools
+
+import aiohttp
 import numpy as np
 import pytest
+from aiohttp import web
 
 from kairos_ray.bench.loadgen import (
     PROMPT_BASE,
@@ -10,6 +15,7 @@ from kairos_ray.bench.loadgen import (
     Conversations,
     _tokens_per_event,
     prompt_ids,
+    sse_lines,
     token_gaps,
 )
 from kairos_ray.workloads.multiturn import multiturn
@@ -68,3 +74,36 @@ def test_a_conversation_s_next_turn_holds_the_last_turn_s_prompt_and_the_answer_
     after = talks.prompt(1, second)
     assert after[:full] == history[:full] != before[:full]  # the answer's blocks as the server sent them
     assert len(after) == second.prompt_tokens
+
+
+def test_streamed_lines_come_whole_however_the_body_is_cut():
+    """``sse_lines`` against a real HTTP server that writes its body in odd pieces: every line whole, ``\\r\\n``
+    endings stripped, a line of 800 kB (past aiohttp's own line limit) and a last line without an ending."""
+    long = "data: " + "7," * 400_000
+    lines = ['data: {"a": 1}', "", ": a comment", long, "data: é€", "data: [DONE]"]
+    body = "\r\n".join(lines).encode()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        # cut inside a line, between a \r and its \n, inside the long line and inside a character
+        cuts = [0, 6, body.index(b"\r\n") + 1, 100_000, body.index("é".encode()) + 1, len(body)]
+        for at, end in itertools.pairwise(cuts):
+            await response.write(body[at:end])  # each piece a write of its own
+        return response
+
+    async def read() -> list[str]:
+        app = web.Application()
+        app.router.add_get("/", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession() as client, client.get(f"http://127.0.0.1:{port}/") as response:
+                return [line async for line in sse_lines(response.content)]
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(read()) == lines
