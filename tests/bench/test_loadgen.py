@@ -97,9 +97,8 @@ def test_streamed_lines_come_whole_however_the_body_is_cut():
         app.router.add_get("/", handler)
         runner = web.AppRunner(app)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
         try:
             async with aiohttp.ClientSession() as client, client.get(f"http://127.0.0.1:{port}/") as response:
                 return [line async for line in sse_lines(response.content)]
