@@ -114,8 +114,8 @@ def one_decision(link: RouterLink, seed: int) -> Callable[[], Awaitable[None]]:
 class Echo:
     """An actor whose ``decide_many`` does nothing, on a TCP line as the router's and as a Ray method: floors."""
 
-    def decide_many(self, requests: list[DecisionRequest]) -> None:
-        pass
+    def decide_many(self, requests: list[DecisionRequest]) -> list[RoutingReply]:
+        return []
 
     async def wire(self) -> WireAddress:
         self.server = WireServer({"decide_many": self.decide_many})
