@@ -3,6 +3,7 @@
 - ``transport``: the interface, ``KVLost`` (the receiver then recomputes), the payload types;
 - ``object_store``: the general path, the Ray object store, with the sender's pins;
 - ``channel``: the fast path, point-to-point gloo (CPU) or NCCL (GPU) pairs per (prefill, decode) node pair;
+- ``rendezvous``: where those pairs meet, a torch store over Ray's cluster store (guarded by Ray's token auth);
 - ``nixl``: another vLLM connector (NIXL) moves the KV, its params pass through;
 - ``staging``: the files through which the Kairos vLLM connector and the engine exchange KV blocks;
 - ``connector``: that connector, loaded by vLLM in the EngineCore process.

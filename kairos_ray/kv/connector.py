@@ -2,7 +2,10 @@
 
 Load it with ``kv_transfer_config = {"kv_connector": "KairosKVConnector",
 "kv_connector_module_path": "kairos_ray.kv.connector", "kv_role":
-"kv_producer" | "kv_consumer", "kv_load_failure_policy": "recompute"}``.
+"kv_producer" | "kv_consumer", "kv_load_failure_policy": "recompute",
+"kv_connector_extra_config": {"staging_dir": <the engine's staging
+directory>}}``, as ``engines.vllm_engine.engine_args`` does: the engine owns
+that directory (``kv.staging``), so the connector is told it, never guesses.
 
 Producer (prefill node): a request sent with ``kv_transfer_params =
 {"do_remote_decode": true}`` is watched step by step; in the step that
@@ -72,7 +75,6 @@ from kairos_ray.kv.staging import (
     REMOTE_DECODE,
     SKIP_TOKENS,
     TAKEN,
-    default_staging_dir,
     open_private,
     private_dir,
     rank_path,
@@ -135,7 +137,10 @@ class KairosKVConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._num_blocks = kv_cache_config.num_blocks
         extra = self._kv_transfer_config.get_from_extra_config
-        self._dir = str(extra("staging_dir", default_staging_dir()))
+        staging_dir = extra("staging_dir", None)
+        if not staging_dir:  # the engine names its own directory (engines.vllm_engine.engine_args): no guessing
+            raise ValueError("the Kairos KV connector needs kv_connector_extra_config.staging_dir, the engine's")
+        self._dir = str(staging_dir)
         self._hold = bool(extra(HOLD_KEY, False))
         self._hold_timeout_s = float(extra("hold_timeout_s", 120.0))
         private_dir(self._dir)

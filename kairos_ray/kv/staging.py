@@ -16,13 +16,26 @@ files in a staging directory (shared memory where there is some):
 With ``hold_blocks_until_taken`` the producer keeps the blocks until the
 engine leaves a ``<file>.taken`` marker (``Staging.mark_taken``).
 
-Where: ``<shared memory>/kairos-kv-<uid>/<application>/<node id>``, every
-level a directory of this user with mode 0700, checked (not assumed) each
-time it is opened; files are created exclusively with mode 0600 and opened
-without following symbolic links. A node's directory holds the pid of the
-process that owns it: it is emptied and removed when that engine shuts down,
-and a directory whose owner is gone (a crash) is removed by the next engine
-of the application that starts on the host.
+Where: ``<shared memory>/kairos-kv-<uid>/<Ray node>/<application>/<node
+id>`` (the Ray node id's first 12 characters, so that the engine's event
+socket in it fits a socket address), every level a directory of this user
+with mode 0700, checked (not assumed) each time it is opened; files are
+created exclusively with mode 0600 and opened without following symbolic
+links. The connector learns its engine's directory from the engine
+(``staging_dir`` in its ``kv_connector_extra_config``), and the staged
+paths travel in the requests' ``kv_transfer_params``, so both sides always
+name the same files.
+
+Who owns a node's directory: the engine that made it holds an ``fcntl.flock``
+on its ``owner.lock`` for the engine's lifetime (the file also says the
+owner's pid, for people who look). The directory is emptied and removed when
+that engine shuts down, and one whose lock anyone can take (its owner is
+gone: a crash) is removed by the next engine of the application that starts
+on that Ray node. A lock, not a pid, decides: engines in containers that
+share the shared memory but not a pid namespace cannot see each other's
+pids, while the kernel's lock holds across them; and each Ray node keeps to
+its own directories. A directory changed less than ``SETUP_S`` ago is left
+alone whatever its lock says: its owner may be between making and locking it.
 
 Importable without vLLM and torch.
 """
@@ -30,11 +43,13 @@ Importable without vLLM and torch.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import os
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Iterable
 from typing import IO, Any
 
@@ -46,9 +61,9 @@ REMOTE_DECODE = "do_remote_decode"  # kv_transfer_params key set by the caller o
 SKIP_TOKENS = "kairos_skip_tokens"  # kv_transfer_params key: leading prompt tokens not staged (the receiver has them)
 HOLD_KEY = "hold_blocks_until_taken"  # kv_connector_extra_config: producer keeps blocks until the KV is taken
 TAKEN = ".taken"  # suffix of the marker the engine leaves once the decode node has a staged file's KV
-
-
-OWNER = "owner.pid"  # in a node's directory: the pid of the process that owns it
+LOCK = "owner.lock"  # in a node's directory: its owner holds an flock on it for its lifetime
+SETUP_S = 60.0  # a directory younger than this may still be being set up: a sweep leaves it
+RAY_NODE_CHARS = 12  # of the Ray node id, in the path: the engine's event socket in it must fit a socket address
 
 
 def default_staging_dir() -> str:
@@ -75,33 +90,52 @@ def private_dir(path: str) -> str:
     return path
 
 
-def node_staging_dir(app: str, node_id: str, root: str | None = None) -> str:
-    """A node's private staging directory, ``<root>/<app>/<node id>``, owned by this process."""
-    parent = private_dir(os.path.join(private_dir(root or default_staging_dir()), _safe(app)))
+def node_staging(app: str, node_id: str, ray_node_id: str, root: str | None = None) -> Staging:
+    """An engine's staging, ``<root>/<Ray node id>/<app>/<node id>``, owned by this process until ``Staging.close``.
+
+    Raises ``PermissionError`` when a live engine owns that directory already.
+    """
+    parent = private_dir(root or default_staging_dir())
+    for level in (ray_node_id[:RAY_NODE_CHARS], app):
+        parent = private_dir(os.path.join(parent, _safe(level)))
     sweep(parent)
     directory = private_dir(os.path.join(parent, _safe(node_id)))
-    with open_private(os.path.join(directory, OWNER), "w", replace=True) as f:
-        f.write(str(os.getpid()))
-    return directory
+    lock = os.open(os.path.join(directory, LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock)
+        raise PermissionError(f"KV staging: {directory} is owned by a live engine") from None
+    os.ftruncate(lock, 0)
+    os.write(lock, f"{os.getpid()}\n".encode())
+    return Staging(directory, owner_lock=lock)
 
 
 def sweep(parent: str) -> None:
-    """Remove the node directories under ``parent`` whose owning process is gone (left by a crash)."""
+    """Remove the node directories under ``parent`` whose owner lock is free (their engine is gone)."""
+    now_s = time.time()
     for entry in os.scandir(parent):
-        if entry.is_dir(follow_symlinks=False) and not _owner_alive(entry.path):
-            shutil.rmtree(entry.path, ignore_errors=True)
+        if entry.is_dir(follow_symlinks=False) and now_s - entry.stat(follow_symlinks=False).st_mtime > SETUP_S:
+            _remove_if_abandoned(entry.path)
 
 
-def _owner_alive(directory: str) -> bool:
+def _remove_if_abandoned(directory: str) -> None:
+    """Remove ``directory`` if nobody holds its owner lock, holding the lock meanwhile."""
     try:
-        with open_private(os.path.join(directory, OWNER), "r") as f:
-            pid = int(f.read().strip() or 0)
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OSError, ValueError):  # unreadable or half written: a process is setting it up now
-        return True
-    return True
+        lock = os.open(os.path.join(directory, LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:  # no owner ever locked it (it crashed first, or the directory predates locks)
+        shutil.rmtree(directory, ignore_errors=True)
+        return
+    except OSError:  # a link or unreadable: not this user's to judge
+        return
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # its owner lives, whatever pid namespace it runs in
+        return
+    else:
+        shutil.rmtree(directory, ignore_errors=True)
+    finally:
+        os.close(lock)
 
 
 def _safe(name: str) -> str:
@@ -142,14 +176,21 @@ def remote_decode_params(receiver_cached_tokens: int = 0) -> dict[str, Any]:
 
 
 class Staging:
-    """One engine's staging directory (private: see the module docstring)."""
+    """One engine's staging directory (private: see the module docstring).
 
-    def __init__(self, directory: str) -> None:
+    ``owner_lock``: the descriptor whose flock makes this process the directory's owner (``node_staging``).
+    """
+
+    def __init__(self, directory: str, owner_lock: int | None = None) -> None:
         self.directory = private_dir(directory)
+        self._owner_lock = owner_lock
 
     def close(self) -> None:
-        """Remove the directory and whatever is left in it (the engine has shut down)."""
+        """Remove the directory and whatever is left in it (the engine has shut down), then let its lock go."""
         shutil.rmtree(self.directory, ignore_errors=True)
+        if self._owner_lock is not None:
+            os.close(self._owner_lock)
+            self._owner_lock = None
 
     @staticmethod
     def staged_by_connector(params: dict[str, Any]) -> bool:
