@@ -42,6 +42,8 @@ examples:
   kairos fit steps.csv -o profile.json fit the step-latency model to measured steps
   kairos chaos --url http://127.0.0.1:8000
                                        inject faults into a running app under load
+  kairos soak --duration-s 3600 --skip-s 600 --rps 3 --fault-every-s 300 --plot soak.png
+                                       an hour under load and faults: does any Serve process grow?
 """
 
 
@@ -70,6 +72,12 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
 
 def _cmd_chaos(args: argparse.Namespace) -> int:
     from kairos_ray.bench.chaos import run_command
+
+    return run_command(args)
+
+
+def _cmd_soak(args: argparse.Namespace) -> int:
+    from kairos_ray.bench.soak import run_command
 
     return run_command(args)
 
@@ -252,6 +260,7 @@ def _numbers(kind: Callable[[str], T]) -> Callable[[str], list[T]]:
 
 _positive_int = _arg_type(int, lambda v: v >= 1, "an integer", "must be >= 1")
 _positive_float = _arg_type(float, lambda v: v > 0, "a number", "must be > 0")
+_non_negative_float = _arg_type(float, lambda v: v >= 0, "a number", "must be >= 0")
 _fraction = _arg_type(float, lambda v: 0.0 < v < 1.0, "a number", "must be between 0 and 1")
 _rates = _arg_type(
     _numbers(float), lambda v: bool(v) and min(v) > 0, "a comma-separated list of rates", "rates must be > 0 requests/s"
@@ -374,9 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--once", action="store_true", help="print the view once and exit (for scripts and logs)")
     top.add_argument(
         "--api-key",
-        default=os.environ.get("KAIROS_API_KEY"),
+        default=os.environ.get("KAIROS_ADMIN_API_KEY") or os.environ.get("KAIROS_API_KEY"),
         metavar="KEY",
-        help="the app's API key, when it has one (default: $KAIROS_API_KEY)",
+        help="an admin API key of the app, when it has keys (default: $KAIROS_ADMIN_API_KEY, else $KAIROS_API_KEY)",
     )
     top.set_defaults(func=_cmd_top)
 
@@ -444,6 +453,71 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chaos_arguments(chaos)
     chaos.set_defaults(func=_cmd_chaos)
+
+    from kairos_ray.bench.chaos import FAULTS
+    from kairos_ray.bench.soak import WORKLOADS as SOAK_WORKLOADS
+
+    soak = commands.add_parser(
+        "soak",
+        help="drive a running app for hours, with faults if asked; report whether its Serve processes grow",
+        description="Drive a running Kairos app at a steady (Poisson) or bursty rate for --duration-s,\n"
+        "with kairos chaos's faults in turn every --fault-every-s if asked, and sample the RSS\n"
+        "and open file descriptors of the app's Serve processes on this host (its replicas, the\n"
+        "router's actor, the Serve controller and proxy) every --sample-s.\n\n"
+        "Prints per process its RSS and FDs at the start and the end of the measured window (the\n"
+        "run after --skip-s) and their least-squares growth per hour and per 1,000 requests; a\n"
+        "replica that a fault replaced is a new process, reported as replacing the old one. Then\n"
+        "the requests sent, completed, failed with a clean error (429s also counted apart: shed),\n"
+        "hung and lost, as kairos chaos counts them. Run it on the app's host, connected to its\n"
+        "Ray cluster.",
+        epilog="example: the growth over the last 50 minutes of an hour at 3 req/s, a fault every 5 min:\n"
+        "  kairos soak --duration-s 3600 --skip-s 600 --rps 3 --fault-every-s 300 \\\n"
+        "      --faults decode-replica-kill,prefill-replica-kill,router-kill --plot soak.png --json soak.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    faults = _arg_type(
+        lambda text: [f.strip() for f in text.split(",") if f.strip()],
+        lambda chosen: bool(chosen) and set(chosen) <= set(FAULTS),
+        "a list of faults",
+        f"faults are comma-separated, each one of {', '.join(FAULTS)}",
+    )
+    soak.add_argument("--url", default="http://127.0.0.1:8000", help="the app's base URL (%(default)s)")
+    soak.add_argument("--app", default="kairos", help="the Serve application name (%(default)s)")
+    soak.add_argument("--model", help="model name (default: the first in /v1/models)")
+    soak.add_argument("--address", default="auto", help="the app's Ray cluster (%(default)s: the one on this host)")
+    soak.add_argument(
+        "--workload",
+        choices=SOAK_WORKLOADS,
+        default="lpld",
+        help="synthetic workload: its lengths and arrivals, Poisson for lpld..hphd, gamma clumps for bursty "
+        "(%(default)s)",
+    )
+    soak.add_argument("--rps", type=_positive_float, default=2.0, metavar="R", help="mean requests per second (2)")
+    soak.add_argument("--duration-s", type=_positive_float, default=3600.0, metavar="S", help="how long to send (3600)")
+    soak.add_argument(
+        "--skip-s", type=_non_negative_float, default=600.0, metavar="S", help="warm-up left out of the growth (600)"
+    )
+    soak.add_argument("--sample-s", type=_positive_float, default=5.0, metavar="S", help="seconds between samples (5)")
+    soak.add_argument(
+        "--fault-every-s", type=_positive_float, metavar="S", help="inject a fault this often (default: no faults)"
+    )
+    soak.add_argument(
+        "--faults",
+        type=faults,
+        metavar="F1,F2,...",
+        help=f"the faults, injected in turn (with --fault-every-s; default all: {', '.join(FAULTS)})",
+    )
+    soak.add_argument(
+        "--stop-s", type=_positive_float, default=15.0, metavar="S", help="engine-stop's and router-stop's length (15)"
+    )
+    soak.add_argument(
+        "--hang-s", type=_positive_float, default=180.0, metavar="S", help="no complete answer by then: hung (180)"
+    )
+    soak.add_argument("--context", type=_positive_int, default=32_768, help="clip lengths to this context (32768)")
+    soak.add_argument("--seed", type=int, default=0, help="seed of the workload (0)")
+    soak.add_argument("--plot", metavar="FILE.png", help="write RSS and FDs over time per process, faults marked")
+    soak.add_argument("--json", metavar="FILE.json", help="write the report as JSON")
+    soak.set_defaults(func=_cmd_soak)
     return parser
 
 

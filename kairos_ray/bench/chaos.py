@@ -98,6 +98,41 @@ async def health_in_flight(url: str) -> int | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """How one streamed request ended, as its client saw it: what ``kairos chaos`` and ``kairos soak`` count."""
+
+    outcome: str  # completed, failed, hung, lost
+    status: int | None  # the reply's HTTP status; None when none came (refused, cut or hung before the headers)
+
+
+async def streamed_answer(client: httpx.AsyncClient, body: dict[str, object], hang_s: float) -> Answer:
+    """The outcome of one streamed ``/v1/completions`` call of ``body`` (``ignore_eos``: all its ``max_tokens``)."""
+    status: int | None = None
+    try:
+        async with asyncio.timeout(hang_s):
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                status = r.status_code
+                if r.status_code != 200:
+                    data = await r.aread()
+                    return Answer("failed" if _is_error(data) else "lost", status)
+                tokens, error, done = 0, False, False
+                async for line in r.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        error = error or "error" in event
+                        tokens += bool(event.get("choices"))
+        if done and error:
+            return Answer("failed", status)
+        return Answer("completed" if done and tokens == body["max_tokens"] else "lost", status)
+    except TimeoutError:
+        return Answer("hung", status)
+    except (httpx.HTTPError, json.JSONDecodeError):
+        return Answer("lost", status)
+
+
 class Chaos:
     """One running app: its URL, its Serve application name and the size of its pools."""
 
@@ -132,30 +167,6 @@ class Chaos:
         prompt = [PROMPT_BASE + i % PROMPT_IDS for i in range(prompt_tokens)]
         return {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
 
-    async def one(self, client: httpx.AsyncClient, prompt_tokens: int, max_tokens: int) -> str:
-        """The outcome of one streamed request."""
-        try:
-            async with asyncio.timeout(self.hang_s):
-                async with client.stream("POST", "/v1/completions", json=self.body(prompt_tokens, max_tokens)) as r:
-                    if r.status_code != 200:
-                        data = await r.aread()
-                        return "failed" if _is_error(data) else "lost"
-                    tokens, error, done = 0, False, False
-                    async for line in r.aiter_lines():
-                        if line == "data: [DONE]":
-                            done = True
-                        elif line.startswith("data: "):
-                            event = json.loads(line[6:])
-                            error = error or "error" in event
-                            tokens += bool(event.get("choices"))
-            if done and error:
-                return "failed"
-            return "completed" if done and tokens == max_tokens else "lost"
-        except TimeoutError:
-            return "hung"
-        except (httpx.HTTPError, json.JSONDecodeError):
-            return "lost"
-
     async def replay(self, workload: Workload) -> list[str]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         async with httpx.AsyncClient(base_url=self.url, timeout=None, limits=limits) as client:
@@ -163,7 +174,8 @@ class Chaos:
 
             async def at_arrival(prompt_tokens: int, max_tokens: int, arrival_s: float) -> str:
                 await asyncio.sleep(max(0.0, start + arrival_s - time.monotonic()))
-                return await self.one(client, prompt_tokens, max_tokens)
+                answer = await streamed_answer(client, self.body(prompt_tokens, max_tokens), self.hang_s)
+                return answer.outcome
 
             requests = [at_arrival(r.prompt_tokens, r.output_tokens, r.arrival_s) for r in workload.requests]
             return list(await asyncio.gather(*requests))

@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from kairos_ray.messages import Residue
 from kairos_ray.serve.delivery import replica_of
 
 
@@ -77,3 +78,19 @@ def router_actor(app: str) -> Any:
     from ray import serve
 
     return serve.get_deployment_handle("Router", app_name=app).handle.remote().result(timeout_s=60)
+
+
+def residues(app: str, timeout_s: float = 30.0) -> list[Residue]:
+    """What each serving process of ``app`` still holds per request: the ingress, the router, every node the
+    router sees (``messages.Residue``; all idle once the app is)."""
+    from ray import serve
+
+    router = serve.get_deployment_handle("Router", app_name=app)
+    found: list[Residue] = [
+        serve.get_deployment_handle("Ingress", app_name=app).residue.remote().result(timeout_s=timeout_s),
+        router.residue.remote().result(timeout_s=timeout_s),
+    ]
+    for node, state in router.snapshot.remote().result(timeout_s=timeout_s).items():
+        pool = serve.get_deployment_handle(state.role.value, app_name=app)
+        found.append(pool.residue.remote(node=node).result(timeout_s=timeout_s))
+    return found

@@ -1,0 +1,229 @@
+"""``kairos soak``: the growth it computes (slopes, the warm-up, replaced processes) on synthetic samples, its
+counting of answers, its input errors, and a short soak with a replica kill against the emulated 2P2D app."""
+
+import asyncio
+import itertools
+import json
+import math
+
+import httpx
+import pytest
+
+from kairos_ray import cli
+from kairos_ray.bench.chaos import streamed_answer
+from kairos_ray.bench.soak import MIB, Found, Sample, Samples, Tally, Tracker, arrivals, growth, process_rows
+from tests.test_cli import kairos
+
+HOUR_S = 3600.0
+
+
+def linear(t_s: float, start_mib: float, mib_per_hour: float) -> int:
+    return round((start_mib + mib_per_hour * t_s / HOUR_S) * MIB)
+
+
+def test_growth_is_the_least_squares_slope_per_hour_and_per_thousand_requests():
+    # an hour sampled every 10 s, 3 requests answered a second, 6 MiB an hour under +-4 MiB of collection noise,
+    # and a spike on the very last sample that end-minus-start would take for 40 MiB of growth
+    samples = [
+        Sample(t, 3 * int(t), linear(t, 500, 6) + (4 if i % 2 else -4) * MIB, 40 + i // 12)
+        for i, t in enumerate(10.0 * k for k in range(361))
+    ]
+    samples[-1] = Sample(samples[-1].t_s, samples[-1].num_answered, linear(HOUR_S, 540, 6), 70)
+    rss = growth(samples, lambda s: s.rss_bytes / MIB)
+    assert rss.per_hour == pytest.approx(6, abs=1)  # end minus start: 46
+    assert rss.per_1k_requests == pytest.approx(6 / (3 * HOUR_S / 1000), abs=0.1)  # 6 MiB per 10,800 requests
+    assert growth(samples, lambda s: s.num_fds).per_hour == pytest.approx(30, rel=0.05)  # one every 2 minutes
+    flat = [Sample(t, 0, MIB, 9) for t in (0.0, 10.0, 20.0)]  # no request answered: no slope per request
+    assert growth(flat, lambda s: s.rss_bytes).per_hour == 0 and math.isnan(
+        growth(flat, lambda s: s.rss_bytes).per_1k_requests
+    )
+    assert math.isnan(growth(flat[:1], lambda s: s.rss_bytes).per_hour)
+
+
+def observe_all(tracker: Tracker, times, processes) -> None:
+    """``processes(t)``: {(label, role, pid): (rss MiB, fds)} of the processes alive at ``t``."""
+    for t in times:
+        alive = processes(t)
+        by_pid = {pid: (round(mib * MIB), fds) for (_, _, pid), (mib, fds) in alive.items()}
+        tracker.observe(t, [Found(*key) for key in alive], int(t), by_pid.get)
+
+
+def test_the_warm_up_is_left_out_of_the_growth():
+    tracker = Tracker()
+    # grows 200 MiB over the first 600 s (start-up, caches filling), flat after
+    observe_all(
+        tracker, range(0, 3601, 5), lambda t: {("Ingress#a", "Ingress", 7): (100 + 200 * min(t, 600) / 600, 30)}
+    )
+    (whole,) = process_rows(tracker, skip_s=0)
+    (measured,) = process_rows(tracker, skip_s=600)
+    assert whole.rss_mib_per_hour > 20
+    assert measured.rss_mib_per_hour == pytest.approx(0, abs=1e-6) and measured.rss_start_mib == pytest.approx(300)
+    assert measured.first_s == 600 and measured.last_s == 3600 and measured.started_s == 0
+
+
+def test_a_replaced_process_is_split_from_its_replacement_not_counted_as_growth():
+    tracker = Tracker()
+
+    def processes(t):
+        alive = {("controller", "controller", 1): (200, 50)}
+        if t < 50:
+            alive["decode#old", "decode", 2] = (100 + t / 100, 20)  # slowly growing until it is killed
+        if t >= 55:  # Serve's new replica, bigger at start
+            alive["decode#new", "decode", 3] = (300, 25)
+        if t < 80:  # the router's actor, replaced: its successor is seen before the old one is found gone
+            alive["router-actor#r1", "router-actor", 4] = (150, 12)
+        if t >= 75:
+            alive["router-actor#r2", "router-actor", 5] = (150, 12)
+        return alive
+
+    observe_all(tracker, range(0, 121, 5), processes)
+    rows = {(r.label, r.pid): r for r in process_rows(tracker, skip_s=10)}
+    old, new = rows["decode#old", 2], rows["decode#new", 3]
+    assert (old.replaced_by, old.ended_s, new.replaces, new.started_s) == ("decode#new", 50, "decode#old", 55)
+    assert new.rss_mib_per_hour == pytest.approx(0, abs=1e-6)  # the 200 MiB step belongs to neither
+    assert old.rss_mib_per_hour == pytest.approx(36, rel=1e-6)  # 0.01 MiB/s, its own
+    assert rows["controller", 1].replaces is rows["controller", 1].replaced_by is None
+    first, second = rows["router-actor#r1", 4], rows["router-actor#r2", 5]
+    assert (first.replaced_by, first.ended_s, second.replaces, second.started_s) == (
+        "router-actor#r2",
+        80,
+        "router-actor#r1",
+        75,
+    )
+
+
+def test_the_first_discovery_finds_the_originals_however_late_it_comes():
+    tracker = Tracker()
+    readings = {2: (MIB, 9), 3: (MIB, 9)}
+    tracker.observe(0.0, None, 0, readings.get)  # the first discovery not finished yet: nothing known
+    tracker.observe(1.0, [Found("decode#a", "decode", 2), Found("decode#b", "decode", 3)], 0, readings.get)
+    del readings[2]
+    tracker.observe(2.0, None, 0, readings.get)  # read although no discovery finished: decode#a is gone
+    rows = {r.label: r for r in process_rows(tracker, skip_s=0)}
+    assert rows["decode#a"].ended_s == 2 and rows["decode#a"].replaced_by is None  # not "replaced" by its sibling
+    assert rows["decode#b"].replaces is None and rows["decode#b"].ended_s is None
+
+
+def test_samples_stay_few_evenly_spread_and_keep_the_latest():
+    samples = Samples(cap=64)
+    for i in range(100_000):
+        samples.add(Sample(float(i), i, linear(i, 10, 1), 5))
+    kept = samples.since(0.0)
+    gaps = {b.t_s - a.t_s for a, b in itertools.pairwise(kept[:-1])}  # the latest comes on its own
+    assert len(kept) <= 65 and len(gaps) == 1 and kept[-1].t_s == 99_999
+    assert growth(kept, lambda s: s.rss_bytes / MIB).per_hour == pytest.approx(1, rel=1e-3)
+    samples.shrink(8)
+    assert len(samples.since(0.0)) <= 9 and samples.since(50_000.0)[-1].t_s == 99_999
+
+
+def test_answers_are_counted_as_chaos_classifies_them_the_shed_ones_apart():
+    def events(*data: str) -> bytes:
+        return "".join(f"data: {d}\n\n" for d in data).encode()
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        kind = request.url.params["kind"]
+        if kind == "hung":
+            await asyncio.sleep(30)
+        replies = {
+            "completed": (200, events('{"choices": [{"text": "a"}]}', '{"choices": [{"text": "b"}]}', "[DONE]")),
+            "cut": (200, events('{"choices": [{"text": "a"}]}')),
+            "error-event": (200, events('{"choices": [{"text": "a"}]}', '{"error": {"message": "gone"}}', "[DONE]")),
+            "shed": (429, b'{"error": {"message": "too many requests in flight", "code": 429}}'),
+            "unavailable": (503, b'{"error": {"message": "no node", "code": 503}}'),
+            "html": (502, b"<html>bad gateway</html>"),
+        }
+        status, body = replies[kind]
+        return httpx.Response(status, content=body)
+
+    kinds = ["completed", "cut", "error-event", "shed", "unavailable", "html", "hung"]
+
+    async def run() -> Tally:
+        tally = Tally()
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer), base_url="http://app") as client:
+            for kind in kinds:
+                client.params = {"kind": kind}
+                tally.add(await streamed_answer(client, {"max_tokens": 2}, hang_s=0.5))
+        return tally
+
+    counts = asyncio.run(run()).counts()
+    assert (counts.completed, counts.failed, counts.shed, counts.hung, counts.lost) == (1, 3, 1, 1, 2)
+
+
+@pytest.mark.parametrize("workload", ["lpld", "bursty"])
+def test_arrivals_go_on_past_a_chunk_at_the_mean_rate(workload):
+    stream = arrivals(workload, 4.0, seed=1, context_tokens=2048)
+    requests = [next(stream) for _ in range(20_000)]
+    times = [r.arrival_s for r in requests]
+    assert times == sorted(times) and len(set(times)) > 19_000
+    assert (len(times) - 1) / times[-1] == pytest.approx(4.0, rel=0.1)
+    assert all(r.prompt_tokens + r.output_tokens <= 2048 for r in requests)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--rps", "0"], "--rps: must be > 0"),
+        (["--rps", "fast"], "--rps: not a number"),
+        (["--url", "http://127.0.0.1:9", "--duration-s", "5", "--skip-s", "1"], "cannot reach http://127.0.0.1:9"),
+        (["--duration-s", "60"], "--skip-s 600 leaves nothing of --duration-s 60"),
+        (["--faults", "router-kill,meteor"], "--faults: faults are comma-separated"),
+        (["--faults", "router-kill", "--duration-s", "60", "--skip-s", "5"], "--faults needs --fault-every-s"),
+    ],
+)
+def test_bad_input_is_a_message_not_a_traceback(args, message):
+    result = kairos("soak", *args)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+# ---- against a running app -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    from tests.serve.conftest import MODEL, app_args, running_app
+
+    with running_app(app_args(), MODEL, ready_within_s=180) as (url, _):
+        yield url
+
+
+def test_a_soak_with_a_replica_kill_finds_every_process_counts_every_request_and_the_replacement(
+    app_url, tmp_path, capsys
+):
+    report_path, plot_path = tmp_path / "soak.json", tmp_path / "soak.png"
+    code = cli.main(
+        ["soak", "--url", app_url, "--rps", "3", "--duration-s", "36", "--skip-s", "6", "--sample-s", "1",
+         "--fault-every-s", "18", "--faults", "decode-replica-kill", "--hang-s", "120",
+         "--json", str(report_path), "--plot", str(plot_path)]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 0
+    report = json.loads(report_path.read_text())
+    assert plot_path.read_bytes()[:4] == b"\x89PNG"
+
+    requests = report["requests"]
+    assert requests["sent"] > 0 and requests["completed"] > 0
+    assert requests["sent"] == sum(requests[o] for o in ("completed", "failed", "hung", "lost"))
+    assert requests["lost"] == requests["hung"] == 0
+    assert report["in_flight_after"] == 0
+    assert report["residue"] and not any(report["residue"])  # every process read, none holding anything
+
+    processes = report["processes"]
+    roles = {p["role"] for p in processes}
+    assert {"Ingress", "Router", "router-actor", "prefill", "decode", "controller", "proxy"} <= roles
+    assert all(p["rss_start_mib"] > 0 and p["fds_start"] > 0 for p in processes)
+    assert all(p["rss_mib_per_hour"] is not None for p in processes if p["last_s"] - p["first_s"] >= 2)
+
+    (fault,) = report["faults"]
+    assert report["num_faults"] == 1 and fault["fault"] == "decode-replica-kill"
+    killed = "decode#" + fault["note"].removeprefix("ray.kill decode-")
+    (old,) = [p for p in processes if p["label"] == killed]
+    assert old["ended_s"] is not None and old["replaced_by"] is not None
+    (new,) = [p for p in processes if p["label"] == old["replaced_by"]]
+    assert new["role"] == "decode" and new["replaces"] == killed and new["pid"] != old["pid"]
+    assert f"replaced by {new['label']}" in printed and f"replaces {killed}" in printed
+
+
+def test_an_app_that_is_not_there_is_named_with_the_ones_that_are(app_url, capsys):
+    code = cli.main(["soak", "--url", app_url, "--app", "nope", "--duration-s", "5", "--skip-s", "1"])
+    said = capsys.readouterr().err
+    assert code == 2 and "no Serve application 'nope'" in said and "kairos" in said
