@@ -3,17 +3,16 @@
 CPython's full (generation 2) collection walks every object the process
 holds; it comes whenever the objects that outlived the younger collections
 have grown by a quarter of those the last one left. The router's actor holds
-some 180,000 objects once started (Ray, Serve, numpy, scikit-learn, the
-policy), and a full collection there took 92-168 ms on a 2-core machine: a
-stall of every decision and every report. Its one-minute windows of steps
-and decisions (``serve.live``) keep adding survivors, so under load one
-falls due (99 s into a replay at 4 req/s, in one run). ``gc.freeze`` moves what exists at
-the end of start-up to the permanent generation, which no collection walks:
-a full collection then costs what was allocated since (well under a ms).
+a large start-up heap (Ray, Serve, numpy, scikit-learn, the policy), so a
+full collection there stalls every decision and every report while it walks
+it, and its one-minute windows of steps and decisions (``serve.live``) keep
+adding survivors until one falls due under load
+(``docs/live-path-performance.md``). ``gc.freeze`` moves what exists at the
+end of start-up to the permanent generation, which no collection walks: a
+full collection then costs what was allocated since.
 
 Serve does the same for its replicas (``RAY_SERVE_FREEZE_GC_ON_STARTUP``, on
-by default in Ray 2.60: a full collection of the ingress's 695,000 start-up
-objects took 420 ms), but the router's actor is a plain Ray actor.
+by default in Ray 2.60), but the router's actor is a plain Ray actor.
 
 The price: a start-up object that later becomes cyclic garbage is never
 freed. What a process builds at start-up lives as long as the process does,

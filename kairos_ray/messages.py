@@ -13,9 +13,9 @@ frozen structs, every field commented, units in the names.
 | ``DecisionRequest`` | ingress -> router | ``serve.dispatch`` (batched per event-loop tick) |
 | ``RoutingReply`` | router -> ingress | ``serve.router.RouterActor.decide_many`` (or the ingress's fallback) |
 | ``WireAddress`` | router -> ingress and engines (over Ray, once per connection) | ``serve.wire.WireServer`` |
-| ``WireCall`` / ``WireReply`` (carrying the two above) | ingress and engines <-> router (TCP) | ``serve.wire`` |
 | ``RouterLive`` (a ``NodeLive`` per node) | router -> ingress | ``serve.live.RouterWindow`` |
 | ``LiveState`` (with a ``ServiceLive``) | ingress -> ``kairos top`` (JSON) | ``serve.live`` |
+| ``Residue`` | ingress, router, engine node -> tests and tools | each deployment's ``residue`` |
 
 Per-request timing (a running TBT clock, the TTFT) stays with the request's
 handler in the ingress, never inside a reply.
@@ -210,25 +210,8 @@ class WireAddress:
 
     host: str  # the IP of the actor's node
     port: int
-    secret: bytes  # a caller's first bytes on a connection: nothing is unpickled before they match
-
-
-@dataclass(frozen=True, slots=True)
-class WireCall:
-    """A call on the router's actor over its TCP line (``serve.wire``)."""
-
-    call_id: int  # the reply's key on this connection; 0: no reply wanted (a report)
-    method: str  # a method the server registered: ``decide_many`` (list of ``DecisionRequest``), ``report``
-    argument: Any  # its one argument: a list of ``DecisionRequest`` or a ``NodeState``
-
-
-@dataclass(frozen=True, slots=True)
-class WireReply:
-    """The answer to a ``WireCall``."""
-
-    call_id: int
-    result: Any  # the method's result (a list of ``RoutingReply``) when ``error`` is None
-    error: str | None = None  # what the method raised
+    # both ends prove they hold it when a connection opens; it never crosses the line, nor shows in a repr
+    secret: bytes = field(repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,3 +279,23 @@ class LiveState:
             router=RouterLive(router["policy"], router["window_s"], nodes),
             service=ServiceLive(**service),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Residue:
+    """What a process still keeps per request: every count is 0 once it is idle (state never grows with requests).
+
+    Read by the idle-state test and ``kairos soak``; each structure that a
+    request adds to is named here with its size.
+    """
+
+    process: str  # "ingress", "router" or a node id
+    counts: Mapping[str, int]  # structure -> entries it holds (requests, runs, queues, held KV, staged files)
+
+    @property
+    def idle(self) -> bool:
+        return not any(self.counts.values())
+
+    def __str__(self) -> str:
+        held = ", ".join(f"{name} {n}" for name, n in self.counts.items() if n)
+        return f"{self.process}: {held or 'nothing held'}"

@@ -235,9 +235,8 @@ async def replay(
     """Send every request of ``workload`` at its arrival time; wait for all of them.
 
     ``timeout_s`` bounds connecting and each wait for more of an answer, not a whole stream. The client is
-    aiohttp's, whose HTTP parser is compiled: half the CPU per streamed token of httpx's (0.18 against 0.35 ms,
-    medians of four replays each of ``scripts/sim_vs_live.py --rates 4``), CPU that the server under test shares
-    where both run on one machine.
+    aiohttp's, whose HTTP parser is compiled, so the load generator takes little of the CPU that the server under
+    test shares where both run on one machine (``docs/live-path-performance.md``).
     """
     has_identity = any(r.block_hashes for r in workload.requests)
     talks = Conversations(workload.block_tokens) if has_identity else None

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import ray
 from ray import serve
 
-from kairos_ray.serve import use_cluster_env
+from kairos_ray.serve import REQUEST_TIMEOUT_S, use_cluster_env
 
 # Where ``free_port`` looks: above Ray's worker ports (10002-19999 by default) and below the kernel's
 # ephemeral ports (32768-60999 on Linux), from which every socket bound to port 0 gets one, Ray's own
@@ -59,7 +59,7 @@ def local_serve(
         log_to_driver=log_to_driver,
     )
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port, "request_timeout_s": REQUEST_TIMEOUT_S})
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()  # type: ignore[no-untyped-call]

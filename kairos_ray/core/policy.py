@@ -246,8 +246,8 @@ class _BasePolicy:
         decode step with them and this request joined stays within beta * tau (Eq. 4 with Eq. 5's budget). When
         no node can, the one with the most KV headroom once it holds the request, then the smallest batch.
 
-        Ranking by headroom alone sent hand-offs to the emptiest node whatever its link carried, and
-        prefix-aware, to the node holding the history even with a queue on its link.
+        Headroom says where the KV fits, not when it arrives: ranked by it alone, hand-offs would pile onto
+        the emptiest node, or onto the node holding the history, whatever its link carries (``docs/prefix.md``).
         """
         held = hits.at if hits else lambda node_id: 0
         model, budget_s, setup = self.decode_model, self.params.tbt_budget_s, self.params.handoff_setup_tokens

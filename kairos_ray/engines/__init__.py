@@ -119,6 +119,10 @@ class Engine(Protocol):
         """The processes that step this engine (a vLLM engine core; the replica itself for an emulated engine)."""
         ...
 
+    def residue(self) -> dict[str, int]:
+        """Entries of each per-request structure the engine keeps (``messages.Residue``): all 0 once idle."""
+        ...
+
     async def shutdown(self) -> None:
         """Stop stepping and give back what the engine holds; idempotent."""
         ...

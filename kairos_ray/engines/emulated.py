@@ -141,6 +141,25 @@ class EmulatedEngine:
     def engine_pids(self) -> list[int]:
         return [os.getpid()]  # the step loop runs in this process
 
+    def residue(self) -> dict[str, int]:
+        prefill, decode = self.prefill_node, self.decode_node
+        return {
+            "requests": len(self._requests),
+            "prefills": len(self._done),
+            "streams": len(self._streams),
+            "emitted": len(self._emitted),
+            "batch": len(self._active),
+            "breakdowns": len(self._breakdowns),
+            "prefill_queue": len(prefill.queue),
+            "decoding": decode.running,
+            "deflections": len(decode.deflections),
+            "waiting": len(decode.waiting),
+            "finishing": len(decode.finishing),
+            "incoming": decode.num_incoming,
+            "reserved_kv_tokens": decode.reserved_tokens,
+            "kv_held": self.kv.held,
+        }
+
     def check_health(self) -> None:
         """Raises ``EngineUnhealthy`` once the step loop has died (an emulated engine cannot stall on its own)."""
         if self._task is not None and self._task.done():

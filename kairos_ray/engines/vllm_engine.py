@@ -56,6 +56,7 @@ the node) and ``check_health`` raises (Serve replaces the replica).
 from __future__ import annotations
 
 import asyncio
+import glob
 import logging
 import os
 import socket
@@ -73,7 +74,7 @@ from kairos_ray.engines.vllm_args import GUARD_KEY, SCHEDULE_KEY, guard_spec
 from kairos_ray.engines.vllm_events import KVEventMirror, events_config, events_endpoint, mirrorable
 from kairos_ray.engines.vllm_worker import EXTENSION as SEEDED_CHUNKS
 from kairos_ray.kv import KAIROS_CONNECTOR, KVBytes, KVLost, KVTransport, build_transport
-from kairos_ray.kv.staging import HOLD_KEY, SKIP_TOKENS, Staging, node_staging_dir, remote_decode_params
+from kairos_ray.kv.staging import HOLD_KEY, SKIP_TOKENS, Staging, node_staging, remote_decode_params
 from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role, TokenEvent, TokenLogprob, TTFTBreakdown
 
 logger = logging.getLogger("ray.serve")
@@ -150,12 +151,13 @@ class VllmEngine:
         stall_timeout_s: float = 10.0,
         app_name: str = "kairos",
         secret: bytes = b"",
+        ray_node_id: str = "",
     ) -> None:
         self.node_id, self.role, self.guard = node_id, Role(role), guard
         self.stall_timeout_s = stall_timeout_s
         self.reporter = reporter or StateReporter("", None, None, 1.0)
         self.reporter.snapshot = self.state
-        self.staging = Staging(staging_dir or node_staging_dir(app_name, node_id))
+        self.staging = Staging(staging_dir) if staging_dir else node_staging(app_name, node_id, ray_node_id)
         self.args = engine_args(self.role, model, engine_kwargs, self.staging.directory, hold_blocks)
         kv_config = self.args["kv_transfer_config"]
         self.connector = str(kv_config.get("kv_connector", ""))
@@ -207,6 +209,7 @@ class VllmEngine:
             stall_timeout_s=options.stall_timeout_s,
             app_name=spec.app_name,
             secret=spec.app_secret,
+            ray_node_id=spec.ray_node_id,
         )
 
     # ---- life cycle ---------------------------------------------------------------------
@@ -303,6 +306,18 @@ class VllmEngine:
     def engine_pids(self) -> list[int]:
         manager = self.llm.engine_core.resources.engine_manager if self.llm is not None else None
         return [int(p.pid) for p in getattr(manager, "processes", ()) if p.pid is not None]
+
+    def residue(self) -> dict[str, int]:
+        vllm_requests = len(self.llm.output_processor.request_states) if self.llm is not None else 0
+        return {
+            "prefill_queue": len(self._queue),
+            "active": len(self._active),
+            "committed": len(self._committed),
+            "staged": len(self._staged),
+            "staged_files": len(glob.glob(os.path.join(self.staging.directory, "*.pt"))),
+            "kv_held": self.kv.held,
+            "vllm_requests": vllm_requests,  # vLLM's own per-request state in this process (its output processor)
+        }
 
     def check_health(self) -> None:
         if not self._unhealthy and self.llm is not None and self.llm.errored:

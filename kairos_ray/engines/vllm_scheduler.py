@@ -27,15 +27,17 @@ meanwhile, or a hit the router did not know of), the schedule's leading
 chunks cover what is left, and any remainder runs as one more chunk
 (``nodes.covering``, as in the simulator), the guard re-checking each.
 
-``chunk_log`` keeps, per request with a schedule, one ``(prefill tokens, other
-requests decoding)`` pair per step it prefilled in: the record that shows the
-plan was followed and interleaved with the running batch.
+``chunk_log`` keeps, for the last ``CHUNK_LOG_REQUESTS`` requests with a
+schedule, one ``(prefill tokens, other requests decoding)`` pair per step each
+prefilled in: the record that shows the plan was followed and interleaved
+with the running batch (bounded: an engine serves for weeks).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +47,8 @@ from kairos_ray.core import StepLatencyModel
 from kairos_ray.core.sweep import largest_safe_chunk
 from kairos_ray.engines.vllm_args import GUARD_KEY, SCHEDULE_KEY
 from kairos_ray.nodes import covering
+
+CHUNK_LOG_REQUESTS = 64  # requests whose chunk steps ``chunk_log`` keeps, the latest
 
 
 def next_chunk(schedule: Sequence[int], computed_tokens: int) -> int | None:
@@ -76,7 +80,7 @@ def schedule_of(request: Any) -> tuple[int, ...] | None:
 class ChunkScheduleScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.chunk_log: dict[str, list[tuple[int, int]]] = {}
+        self.chunk_log: OrderedDict[str, list[tuple[int, int]]] = OrderedDict()
         self._hit: dict[str, int] = {}  # request id with a schedule -> tokens vLLM found cached when it admitted it
 
     def _deflected(self) -> tuple[str, int] | None:
@@ -133,8 +137,16 @@ class ChunkScheduleScheduler(Scheduler):
         scheduled = output.num_scheduled_tokens.get(request_id)
         if scheduled:
             decoding = sum(1 for rid, n in output.num_scheduled_tokens.items() if rid != request_id and n == 1)
-            self.chunk_log.setdefault(request_id, []).append((scheduled, decoding))
+            self._log(request_id, scheduled, decoding)
         return output
+
+    def _log(self, request_id: str, scheduled: int, decoding: int) -> None:
+        steps = self.chunk_log.get(request_id)
+        if steps is None:
+            steps = self.chunk_log[request_id] = []
+            if len(self.chunk_log) > CHUNK_LOG_REQUESTS:
+                self.chunk_log.popitem(last=False)
+        steps.append((scheduled, decoding))
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         self._hit.pop(request.request_id, None)

@@ -23,9 +23,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kairos_ray.serve.app import CLUSTER_ENV, build_app, pool_options, use_cluster_env
+    from kairos_ray.serve.app import CLUSTER_ENV, REQUEST_TIMEOUT_S, build_app, pool_options, use_cluster_env
 
-__all__ = ["CLUSTER_ENV", "build_app", "pool_options", "use_cluster_env"]
+__all__ = ["CLUSTER_ENV", "REQUEST_TIMEOUT_S", "build_app", "pool_options", "use_cluster_env"]
 
 
 def __getattr__(name: str) -> Any:

@@ -22,11 +22,15 @@ CLUSTER_ENV = {
 }
 """Serve's HTTP proxy takes each response's items from the ingress over Serve's gRPC transport: a streamed item
 costs a fraction of the CPU of a Ray streaming-generator item; Serve's processes hand their cached request metrics to
-Ray's metrics every second, not ten times a second (Ray's metrics agent collects them every 10 s), which cut their CPU
-with no traffic by about a quarter; each replica runs its deployment's code and its handles' request routers on its
-one event loop rather than on threads of their own (as Serve's own ``RAY_SERVE_THROUGHPUT_OPTIMIZED`` mode does),
-which saves a cross-thread hop per streamed item and call: a quarter of the serving path's CPU per token at 4 req/s
-(``docs/live-path-performance.md``)."""
+Ray's metrics every second, not ten times a second (Ray's metrics agent collects them every 10 s); each replica runs
+its deployment's code and its handles' request routers on its one event loop rather than on threads of their own (as
+Serve's own ``RAY_SERVE_THROUGHPUT_OPTIMIZED`` mode does), which saves a cross-thread hop per streamed item and call.
+Why each, and what it saves: ``docs/live-path-performance.md``."""
+
+
+REQUEST_TIMEOUT_S = 1800.0
+"""Serve's ``http_options.request_timeout_s`` in the shipped configs and local runs: the app ends what it can
+sooner (its own deadlines), and this bounds whatever it cannot (a stream that still runs after 30 minutes)."""
 
 
 def use_cluster_env() -> None:

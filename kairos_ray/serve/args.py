@@ -376,6 +376,25 @@ class ServingConfig(_Strict):
     )
     api_key_file: str | None = Field(None, description="file with more API keys, one per line")
     require_api_key: bool = Field(False, description="refuse to start without an API key")
+    admin_api_keys: tuple[str, ...] = Field(
+        (), description="keys that may also read GET /kairos/state, the API docs and cached-token counts"
+    )
+    admin_api_key_env: str | None = Field(
+        "KAIROS_ADMIN_API_KEY", description="environment variable with more admin keys (comma-separated)"
+    )
+    expose_routing: bool = Field(
+        False,
+        description="responses carry the route (x-kairos-* headers, the body's kairos field): nodes, chunk "
+        "schedule, TTFT breakdown, the router's reason; cached-token counts to admin keys only",
+    )
+    api_docs: bool = Field(False, description="serve FastAPI's /docs and /openapi.json (to admin keys)")
+    body_timeout_s: float = Field(30.0, gt=0, description="a request body not read whole by then gets 408")
+    input_timeout_s: float = Field(
+        10.0, gt=0, description="parsing, rendering and checking a request (its grammar included) past this: 400"
+    )
+    state_refresh_s: float = Field(
+        1.0, ge=0, description="GET /kairos/state asks the router at most this often (callers share one answer)"
+    )
     report_interval_s: float = Field(
         ENGINE.report_interval_s, gt=0, description="engines push a change of queue, batch or commitments this often"
     )
@@ -413,7 +432,7 @@ class ServingConfig(_Strict):
     router_tcp: bool = Field(
         RouterOptions.tcp_line,
         description="the ingress and the engines reach the router over a TCP line to a port on its node's IP "
-        "(a tenth of a Ray call's round trip); false: Ray actor calls only (nodes that cannot reach each other's "
+        "(cheaper than a Ray call's round trip); false: Ray actor calls only (nodes that cannot reach each other's "
         "ports beyond Ray's)",
     )
     seed: int = Field(ENGINE.seed, description="emulated engines: step-noise seed")

@@ -9,7 +9,7 @@ decide, plain disaggregation on any nodes, counted), then runs the route:
   decode node receives the KV and streams; once its first token is here the
   prefill node is told to release the KV.
 
-Failures (the failure model of ``docs/architecture.md``):
+Failures (the failure model of ``docs/failures.md``):
 
 - before the first token, a node that fails (its replica or engine died, its
   engine stalled, the hand-off broke) is avoided and the request re-decided
@@ -119,15 +119,25 @@ def migration_blocker(sampling: SamplingParams | None) -> str:
 
 
 class RequestFailed(Exception):
-    """No first token: answer ``status`` (503: nodes failed; 504: past the deadline) with ``message``."""
+    """No first token: answer ``status`` (503: nodes failed; 504: past the deadline) with ``message``.
 
-    def __init__(self, status: int, message: str) -> None:
+    ``detail`` says what failed (nodes, remote errors) for the log; clients see ``message`` only.
+    """
+
+    def __init__(self, status: int, message: str, detail: str = "") -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.detail = status, message, detail
 
 
 class StreamBroken(Exception):
-    """After the first token the request could not go on (migrations used up): end the stream with an error."""
+    """After the first token the request could not go on (migrations used up): end the stream with an error.
+
+    Clients see ``message``; ``detail`` (what failed, remote errors) goes to the log.
+    """
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.message, self.detail = message, detail
 
 
 class _NodeFailed(Exception):
@@ -152,13 +162,13 @@ class DecisionBatcher:
         self.router = router
         self.timeout_s = timeout_s
         self._ticking = False  # a decision went this tick: the tick's others wait for its end
-        self._wanted: list[tuple[DecisionRequest, asyncio.Future[RoutingReply]]] = []
+        self.waiting: list[tuple[DecisionRequest, asyncio.Future[RoutingReply]]] = []  # for this tick's end
 
     async def decide(self, request: DecisionRequest) -> RoutingReply:
         loop = asyncio.get_running_loop()
         reply: asyncio.Future[RoutingReply] = loop.create_future()
         if self._ticking:
-            self._wanted.append((request, reply))
+            self.waiting.append((request, reply))
         else:
             self._ticking = True
             loop.call_soon(self._tick_over)
@@ -167,7 +177,7 @@ class DecisionBatcher:
 
     def _tick_over(self) -> None:
         self._ticking = False
-        wanted, self._wanted = self._wanted, []
+        wanted, self.waiting = self.waiting, []
         if wanted:
             self._send(wanted)
 
@@ -215,6 +225,10 @@ class Dispatcher:
     def run(self, request: EngineRequest) -> RequestRun:
         return RequestRun(self, request)
 
+    def residue(self) -> dict[str, int]:
+        """Per-request entries of the mux and the decision batcher (``messages.Residue``): all 0 once idle."""
+        return {**self.mux.residue(), "decisions_waiting": len(self.decisions.waiting)}
+
     def block_ids(self, request: EngineRequest) -> dict[int, tuple[int, ...]]:
         """The prompt's block hashes per block size the nodes cache with (empty: no prefix identity)."""
         ids = request.prompt_token_ids
@@ -254,7 +268,8 @@ class RequestRun:
         self._avoid: list[str] = []  # nodes that failed this request
         self._calls: list[Any] = []  # remote calls of the current attempt, cancelled on close
         self._queue: asyncio.Queue[list[TokenEvent] | StreamFailed] | None = None  # its tokens (serve.mux)
-        self._running: RequestKey | None = None  # the attempt running on ``_decode_node``
+        self._running: RequestKey | None = None  # the attempt running on ``_decode_node``, cancelled on close
+        self._listening: RequestKey | None = None  # the attempt whose tokens the mux keeps for it, closed on close
         self._first: list[TokenEvent] | None = None  # a migration's first tokens, not yet given out
         self._done = False  # the last token has come
         self._decode_node: str | None = None
@@ -286,7 +301,7 @@ class RequestRun:
             raise RequestFailed(
                 504, f"no first token within {limits.first_token_timeout_s:g} s (first_token_timeout_s)"
             ) from None
-        raise RequestFailed(503, f"the request failed on {self.attempts} tries; last: {failure}")
+        raise RequestFailed(503, f"the request failed on {self.attempts} tries", f"last: {failure}")
 
     async def _attempt(self, request: EngineRequest) -> list[TokenEvent]:
         """One try: decide, run the route, wait for the first tokens; raises ``_NodeFailed``."""
@@ -318,7 +333,7 @@ class RequestRun:
         key = (request.request_id, request.attempt)
         mux = pools.mux
         mux.expect(key)
-        self._running = key
+        self._running = self._listening = key
         call = apart(pools.decode.start.remote, request, handoff, mux.listener, node=decision.decode_node, avoid=avoid)
         self._calls.append(call)
         try:
@@ -411,7 +426,7 @@ class RequestRun:
             self._avoid.append(failed)
         blocker = migration_blocker(self.request.sampling)
         if blocker:
-            raise StreamBroken(f"decode failed after {len(self.sent)} tokens ({cause}); not migrated: {blocker}")
+            raise StreamBroken(f"its decode node failed; not migrated: {blocker}", cause)
         while self.migrations < self.limits.max_migrations:
             self.migrations += 1
             self.dispatcher.metrics.retries.inc(tags={"stage": "migration"})
@@ -430,7 +445,7 @@ class RequestRun:
                 continue
             self._first = first
             return
-        raise StreamBroken(f"decode failed after {len(self.sent)} tokens and {self.migrations} migrations ({cause})")
+        raise StreamBroken(f"its decode nodes failed, {self.migrations} migrations", cause)
 
     def _continuation(self) -> EngineRequest:
         """The request as a new prompt: the original prompt plus the tokens already sent, ``min_tokens`` shrunk."""
@@ -466,7 +481,9 @@ class RequestRun:
         if self._running is not None:
             request_id, attempt = self._running
             apart(self.dispatcher.decode.cancel.remote, request_id, attempt, node=self._decode_node)
-            self.dispatcher.mux.close(self._running)
             self._running = None
+        if self._listening is not None:  # ended or not on its node, the mux forgets it here
+            self.dispatcher.mux.close(self._listening)
+            self._listening = None
         self._queue = None
         self._release_kv()

@@ -22,13 +22,14 @@ from kairos_ray.config import KairosConfig, resolve_profile
 from kairos_ray.core import PrefillNodeView
 from kairos_ray.core.estimate import queue_wait_exact_s
 from kairos_ray.engines import NodeSpec, build_engine
-from kairos_ray.messages import EngineRequest, KVHandoff, Role, TokenBatch
+from kairos_ray.messages import EngineRequest, KVHandoff, Residue, Role, TokenBatch
 from kairos_ray.serve.args import PoolConfig, ServingConfig
 from kairos_ray.serve.autoscaling import KV_FREE_SHARE, PREFILL_WAIT, TBT_HEADROOM
 from kairos_ray.serve.mux import Outbox, RequestKey
 from kairos_ray.serve.router_link import RouterLink
 
 SUBSCRIPTION_IDLE_S = 2.0  # a token subscription with nothing to carry for this long ends (serve.mux)
+UNCLAIMED_OUTBOX_S = 60.0  # an outbox whose listener has not subscribed by then is dropped, its runs cancelled
 HEALTH_CHECK_PERIOD_S = 2.0  # Serve asks every replica this often whether its engine is healthy
 HEALTH_CHECK_TIMEOUT_S = 20.0  # a replica that does not answer in time (its process hung) is replaced
 
@@ -134,7 +135,18 @@ class EngineServer:
         outbox = self._outboxes.get(listener)
         if outbox is None:  # a new listener only: no Outbox built per call
             outbox = self._outboxes[listener] = Outbox()
+            asyncio.get_running_loop().call_later(UNCLAIMED_OUTBOX_S, self._unclaimed, listener, outbox)
         return outbox
+
+    def _unclaimed(self, listener: str, outbox: Outbox) -> None:
+        """Drop an outbox no subscription ever read (its listener died between a ``start`` and its ``subscribe``)."""
+        if outbox.subscribed or self._outboxes.get(listener) is not outbox:
+            return
+        del self._outboxes[listener]
+        for key in list(outbox.runs):
+            run = self._runs.get(key)
+            if run is not None:
+                run.cancel()
 
     async def cancel(self, request_id: int, attempt: int, node: str | None = None) -> None:
         """The request's client went away (or it moved on): stop generating it here."""
@@ -153,6 +165,7 @@ class EngineServer:
         if node is not None and node != self.node_id:
             raise LookupError(f"{node} is gone (this is {self.node_id})")
         outbox = self._outbox(listener)
+        outbox.subscribed = True
         try:
             while (batch := await outbox.take(SUBSCRIPTION_IDLE_S)) is not None:
                 yield batch
@@ -167,6 +180,11 @@ class EngineServer:
     def check_health(self) -> None:
         """Serve's health check: an engine that died or stalled fails it, and Serve replaces this replica."""
         self.engine.check_health()
+
+    async def residue(self, node: str | None = None) -> Residue:
+        """What this node keeps per request (``messages.Residue``): all 0 once idle."""
+        counts = {"runs": len(self._runs), "outboxes": len(self._outboxes), **self.engine.residue()}
+        return Residue(self.node_id, counts)
 
     async def engine_pids(self, node: str | None = None) -> list[int]:
         """The processes that step this node's engine (for fault injection: ``bench.faults``)."""

@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from kairos_ray.messages import EngineRequest, TokenEvent
+from kairos_ray.messages import EngineRequest, Residue, TokenEvent
 from kairos_ray.serve.admission import Admission, GuardedStream
 from kairos_ray.serve.args import ServingConfig
 from kairos_ray.serve.auth import ApiKeys
@@ -50,19 +50,33 @@ from kairos_ray.serve.dispatch import Dispatcher, RequestFailed, RequestRun, Ser
 from kairos_ray.serve.live import live_state
 from kairos_ray.serve.metrics import IngressMetrics
 from kairos_ray.serve.protocol import PreparedRequest, RequestError, error_body
-from kairos_ray.serve.responses import ResponseWriter, route_headers
+from kairos_ray.serve.responses import Exposure, ResponseWriter, route_headers
 from kairos_ray.serve.tokens import Preprocessor
 
 logger = logging.getLogger("ray.serve")
-app = FastAPI(title="Kairos-Ray", description="OpenAI-compatible serving with load-aware prefill deflection")
+# FastAPI's own /docs and /openapi.json are off: they are served below, to admin keys, when ``serving.api_docs``
+app = FastAPI(
+    title="Kairos-Ray",
+    description="OpenAI-compatible serving with load-aware prefill deflection",
+    openapi_url=None,
+    docs_url=None,
+    redoc_url=None,
+)
 
 OFF_LOOP_BYTES = 64 << 10  # bodies at least this large are parsed in a thread
+# Serve's proxy reads these from the client and would let it keep its request running after it left, or past
+# Serve's request_timeout_s: a request that carries one is refused before any work starts.
+PROXY_HEADERS = ("x-request-disconnect-disabled", "x-request-timeout-seconds")
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = {401: "authentication_error", 413: "invalid_request_error", 429: "rate_limit_error"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error"
-    )
+    kind = {
+        401: "authentication_error",
+        403: "permission_error",
+        408: "invalid_request_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+    }.get(status, "invalid_request_error" if status < 500 else "server_error")
     return JSONResponse(error_body(message, param, kind, status), status_code=status, headers=headers)
 
 
@@ -73,6 +87,11 @@ def _parse(body: bytes) -> Any:
         raise RequestError(400, "request body is not valid JSON") from None
     except RecursionError:
         raise RequestError(400, "request body is nested too deeply") from None
+
+
+def _failed(future: asyncio.Future[Any]) -> bool:
+    """A call that is over without an answer (an answer to ask again for, not to share)."""
+    return future.done() and (future.cancelled() or future.exception() is not None)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=2048)
@@ -91,7 +110,9 @@ class Ingress:
         self.model_id = model_id
         self.opts = opts = ServingConfig.model_validate(serving)
         self.preprocess = Preprocessor(model_id, opts.context_tokens, model_source, engine_kwargs)
-        self.keys = ApiKeys.gather(opts.api_keys, opts.api_key_env, opts.api_key_file)
+        self.keys = ApiKeys.gather(
+            opts.api_keys, opts.api_key_env, opts.api_key_file, opts.admin_api_keys, opts.admin_api_key_env
+        )
         if opts.require_api_key and not self.keys.required:
             raise ValueError(
                 f"serving.require_api_key is set but no API key was found (serving.api_keys, the environment "
@@ -110,6 +131,7 @@ class Ingress:
         self.router = router
         listener = f"{serve.get_replica_context().replica_id.unique_id}-{secrets.token_hex(4)}"
         self.dispatcher = Dispatcher(router, prefill, decode, limits, self.metrics, listener)
+        self._state: tuple[float, asyncio.Future[dict[str, Any]]] | None = None  # the last live view and when
 
     # ---- plain endpoints -------------------------------------------------------------------
 
@@ -134,13 +156,42 @@ class Ingress:
 
     @app.get("/kairos/state")
     async def kairos_state(self, request: Request) -> Response:
-        """The live view ``kairos top`` shows: ``messages.LiveState`` as JSON (503 if the router does not answer)."""
-        if not self.keys.allows(request.headers.get("authorization")):
-            return self._unauthorized()
+        """The live view ``kairos top`` shows: ``messages.LiveState`` as JSON (503 if the router does not answer).
+
+        To admin keys only (it shows every tenant's traffic), and asked of the router at most every
+        ``state_refresh_s``: callers in between share the last answer, so that no caller can load the
+        single router's loop, which every routing decision waits for.
+        """
+        denied = self._admin_only(request)
+        if denied is not None:
+            return denied
+        now = time.monotonic()
+        last = self._state
+        if last is None or now - last[0] >= self.opts.state_refresh_s or _failed(last[1]):
+            last = self._state = (now, asyncio.ensure_future(live_state(self.router, self.metrics.window)))
         try:
-            return JSONResponse(await live_state(self.router, self.metrics.window))
+            return JSONResponse(await asyncio.shield(last[1]))
         except Exception as exc:  # whatever keeps the router from answering
-            return _error(503, f"the router did not answer: {type(exc).__name__}: {exc}")
+            logger.warning("GET /kairos/state: the router did not answer (%s: %s)", type(exc).__name__, exc)
+            return _error(503, "the router did not answer; try again")
+
+    @app.get("/openapi.json")
+    async def openapi(self, request: Request) -> Response:
+        """FastAPI's schema of these endpoints, to admin keys where ``serving.api_docs`` is on (404 otherwise)."""
+        denied = self._docs_denied(request)
+        return denied or JSONResponse(app.openapi())
+
+    @app.get("/docs")
+    async def docs(self, request: Request) -> Response:
+        """FastAPI's interactive API page over ``/openapi.json``, on the same terms."""
+        from fastapi.openapi.docs import get_swagger_ui_html
+
+        denied = self._docs_denied(request)
+        return denied or get_swagger_ui_html(openapi_url="/openapi.json", title="Kairos-Ray")
+
+    def residue(self) -> Residue:
+        """What this replica keeps per request (``messages.Residue``): all 0 once idle."""
+        return Residue("ingress", {"in_flight": self.admission.in_flight, **self.dispatcher.residue()})
 
     # ---- one request -------------------------------------------------------------------------
 
@@ -150,9 +201,37 @@ class Ingress:
             401, "a valid API key is required: Authorization: Bearer <key>", headers={"WWW-Authenticate": "Bearer"}
         )
 
-    async def _serve(self, request: Request, chat: bool) -> Response:
-        if not self.keys.allows(request.headers.get("authorization")):
+    def _admin_only(self, request: Request) -> JSONResponse | None:
+        """401 without an accepted key, 403 with one that is not an admin key; None for an admin."""
+        authorization = request.headers.get("authorization")
+        if not self.keys.allows(authorization):
             return self._unauthorized()
+        if not self.keys.admin(authorization):
+            self.metrics.rejected.inc(tags={"reason": "forbidden"})
+            return _error(403, "an admin API key is required (serving.admin_api_keys)")
+        return None
+
+    def _docs_denied(self, request: Request) -> JSONResponse | None:
+        if not self.opts.api_docs:
+            return _error(404, "not found (the API docs are off: serving.api_docs)")
+        return self._admin_only(request)
+
+    def _exposure(self, authorization: str | None) -> Exposure:
+        """What of its route a request's response shows (``serving.expose_routing``; everything to admin keys)."""
+        if self.keys.required and self.keys.admin(authorization):
+            return Exposure.FULL
+        if not self.opts.expose_routing:
+            return Exposure.NONE
+        return Exposure.ROUTE if self.keys.required else Exposure.FULL  # an open app: every caller is its admin
+
+    async def _serve(self, request: Request, chat: bool) -> Response:
+        authorization = request.headers.get("authorization")
+        if not self.keys.allows(authorization):
+            return self._unauthorized()
+        header = next((h for h in PROXY_HEADERS if h in request.headers), None)
+        if header is not None:
+            self.metrics.rejected.inc(tags={"reason": "bad-request"})
+            return _error(400, f"the header {header} is not accepted: a request ends when its client leaves", header)
         slot = self.admission.try_acquire()
         if slot is None:
             self.metrics.rejected.inc(tags={"reason": "overload"})
@@ -161,14 +240,18 @@ class Ingress:
             return _error(429, message, headers={"Retry-After": str(retry_s)})
         streaming = False
         try:
+            request_id = next(self._ids)
             try:
                 prepared = await self._validated(request, chat)
             except RequestError as bad:
                 reason = "too-large" if bad.status == 413 else "bad-request"
                 self.metrics.rejected.inc(tags={"reason": reason})
                 return _error(bad.status, bad.message, bad.param)
+            except Exception:  # not the body's fault: the details go to the log, not to the client
+                logger.exception("request %s could not be prepared", request_id)
+                return _error(500, f"the request could not be prepared (request {request_id})")
             engine_request = EngineRequest(
-                next(self._ids),
+                request_id,
                 prepared.prompt_tokens,
                 prepared.max_tokens,
                 time.time(),
@@ -182,14 +265,15 @@ class Ingress:
             try:
                 first = await run.start()
             except RequestFailed as failed:
-                logger.warning("request %s failed: %s", engine_request.request_id, failed.message)
-                return _error(failed.status, failed.message)
+                logger.warning("request %s failed: %s (%s)", request_id, failed.message, failed.detail)
+                return _error(failed.status, f"{failed.message} (request {request_id})")
             except BaseException:
                 run.close()
                 raise
             assert run.route is not None
-            writer = ResponseWriter(self.model_id, run.route, prepared)
-            headers = route_headers(run.route)
+            exposure = self._exposure(authorization)
+            writer = ResponseWriter(self.model_id, run.route, prepared, exposure)
+            headers = route_headers(run.route, exposure)
             if prepared.options.stream:
 
                 def done() -> None:
@@ -204,7 +288,8 @@ class Ingress:
                 async for ready in self._timed(run):
                     tokens += ready
             except StreamBroken as broken:
-                return _error(503, f"request failed after its first token: {broken}")
+                logger.warning("request %s broke: %s (%s)", request_id, broken.message, broken.detail)
+                return _error(503, f"request {request_id} failed after its first token: {broken.message}")
             finally:
                 run.close()
             return JSONResponse(writer.full(tokens), headers=headers)
@@ -216,21 +301,32 @@ class Ingress:
         """The request, parsed, rendered and checked as vLLM's server does it; raises ``RequestError``."""
         body = await self._body(request)
         off_loop = len(body) >= OFF_LOOP_BYTES
-        data = await asyncio.to_thread(_parse, body) if off_loop else _parse(body)
-        return await self.preprocess.prepare(data, chat, off_loop)
+        timeout_s = self.opts.input_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                data = await asyncio.to_thread(_parse, body) if off_loop else _parse(body)
+                return await self.preprocess.prepare(data, chat, off_loop)
+        except TimeoutError:
+            raise RequestError(
+                400, f"the request took over {timeout_s:g} s to parse and check (input_timeout_s)"
+            ) from None
 
     async def _body(self, request: Request) -> bytes:
-        """The raw body, refused with 413 as soon as it passes ``max_body_bytes``."""
+        """The raw body, refused with 413 as soon as it passes ``max_body_bytes``, 408 past ``body_timeout_s``."""
         limit = self.opts.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise RequestError(413, f"request body of {int(declared)} bytes exceeds the {limit}-byte limit")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise RequestError(413, f"request body exceeds the {limit}-byte limit")
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.opts.body_timeout_s):  # a client that trickles its body holds a slot
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise RequestError(413, f"request body exceeds the {limit}-byte limit")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise RequestError(408, f"request body not received within {self.opts.body_timeout_s:g} s") from None
         return b"".join(chunks)
 
     async def _timed(self, run: RequestRun) -> AsyncIterator[list[TokenEvent]]:
@@ -255,7 +351,8 @@ class Ingress:
                 count += len(ready)
                 yield writer.tokens(ready)
         except StreamBroken as broken:
-            yield writer.error(f"request failed after {count} tokens: {broken}")
+            logger.warning("request %s broke: %s (%s)", run.request.request_id, broken.message, broken.detail)
+            yield writer.error(f"request {run.request.request_id} failed after {count} tokens: {broken.message}")
         else:
             if writer.options.include_usage:
                 yield writer.usage(count)

@@ -43,6 +43,7 @@ class Outbox:
 
     def __init__(self) -> None:
         self.runs: set[RequestKey] = set()  # requests of this listener running on the node
+        self.subscribed = False  # its listener has subscribed (an outbox never subscribed to is dropped in time)
         self._tokens: dict[RequestKey, list[TokenEvent]] = {}
         self._failed: dict[RequestKey, str] = {}
         self._ready = asyncio.Event()
@@ -106,6 +107,10 @@ class TokenMux:
         self._queues.pop(key, None)
         self._nodes.pop(key, None)
         self._early.pop(key, None)
+
+    def residue(self) -> dict[str, int]:
+        """Entries kept per request: all 0 once no request runs here (nothing grows with requests served)."""
+        return {"mux_queues": len(self._queues), "mux_nodes": len(self._nodes), "mux_early": len(self._early)}
 
     def _deliver(self, key: RequestKey, item: list[TokenEvent] | StreamFailed) -> None:
         queue = self._queues.get(key)

@@ -17,6 +17,11 @@ naming the field (``REFUSALS``), never silently ignored:
 | ``vllm_xargs`` | schedules) travel there |
 | non-text content parts | the served models read text |
 
+List-valued fields are capped (``LIST_CAPS``, ``MAX_ITEM_CHARS``; vLLM's
+models cap the number of stop strings only): each entry costs the engines
+work at every generated token (stop strings, bad words), or the ingress's
+and the engines' memory for the request's life.
+
 ``serve.tokens`` renders the prompt and builds ``SamplingParams`` the way
 vLLM's server does; ``ResponseOptions`` is what the response needs to know.
 """
@@ -105,8 +110,36 @@ REFUSALS: tuple[Refusal, ...] = (
 )
 
 
+LIST_CAPS: dict[str, int] = {
+    "messages": 4096,
+    "stop_token_ids": 1024,
+    "bad_words": 256,
+    "logit_bias": 1024,
+    "allowed_token_ids": 16_384,
+    "logprob_token_ids": 1024,
+}
+"""Field -> the most entries a request may give it."""
+MAX_ITEM_CHARS = 1024  # the longest stop string or bad word
+
+
+def _over_cap(request: OpenAIRequest) -> RequestError | None:
+    for name, cap in LIST_CAPS.items():
+        value = getattr(request, name, None)
+        if isinstance(value, list | dict) and len(value) > cap:
+            return RequestError(400, f"{name}: at most {cap} entries, got {len(value)}", name)
+    for name in ("stop", "bad_words"):
+        value = getattr(request, name, None)
+        for item in [value] if isinstance(value, str) else value or ():
+            if isinstance(item, str) and len(item) > MAX_ITEM_CHARS:
+                return RequestError(400, f"{name}: entries of at most {MAX_ITEM_CHARS} characters", name)
+    return None
+
+
 def refusal(request: OpenAIRequest) -> RequestError | None:
-    """The 400 for the first thing of ``request`` the app does not serve, or None."""
+    """The 400 for the first thing of ``request`` the app does not serve (or over a cap), or None."""
+    over = _over_cap(request)
+    if over is not None:
+        return over
     for refused in REFUSALS:
         if refused.applies(request):
             return RequestError(400, f"{refused.param}: {refused.reason}", refused.param)

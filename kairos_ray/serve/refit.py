@@ -10,8 +10,8 @@ the window better than the model in use.
 
 The refit runs on the router's event loop, between its decisions, so it must
 be brief: the window is kept as rows of one preallocated array (a ring),
-which the fit and both errors read as views (from a deque of tuples,
-building that array took 2 ms of the refit's 10, three times over).
+which the fit and both errors read as views, so a refit builds no array of
+its own (``docs/operations.md``).
 """
 
 from __future__ import annotations

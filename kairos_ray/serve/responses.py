@@ -9,9 +9,10 @@ A stream sends an event per token (per group of tokens with
 ``stream_interval``); its events concatenate to the body of the same request
 unstreamed.
 
-Every response carries the route in ``x-kairos-*`` headers and in a
+A response may carry the route in ``x-kairos-*`` headers and in a
 ``kairos`` field of the body (the first chunk of a stream), which OpenAI
-clients ignore.
+clients ignore; how much of it is the ingress's choice per request
+(``Exposure``: ``serving.expose_routing``, admin keys).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from enum import Enum
 from typing import Any
 
 from kairos_ray.messages import TokenEvent, TokenLogprob
@@ -28,8 +30,19 @@ from kairos_ray.serve.protocol import PreparedRequest, error_body
 MIN_LOGPROB = -9999.0  # what -inf becomes in JSON, as in OpenAI's and vLLM's responses
 
 
-def route_headers(route: RouteTaken) -> dict[str, str]:
-    return {
+class Exposure(Enum):
+    """What of its route a response shows."""
+
+    NONE = "none"  # nothing: the nodes and the router's reasoning are the operator's business
+    ROUTE = "route"  # route, nodes, chunk schedule, transport, TTFT breakdown, the router's reason
+    FULL = "full"  # and the prompt tokens the prefilling node's cache held (another tenant's prompt may be why)
+
+
+def route_headers(route: RouteTaken, exposure: Exposure) -> dict[str, str]:
+    """The ``x-kairos-*`` headers ``exposure`` allows."""
+    if exposure is Exposure.NONE:
+        return {}
+    headers = {
         "x-kairos-route": route.route.value,
         "x-kairos-prefill-node": route.prefill_node or "",  # empty when deflected
         "x-kairos-decode-node": route.decode_node,
@@ -42,14 +55,18 @@ def route_headers(route: RouteTaken) -> dict[str, str]:
         ),
         "x-kairos-reason": route.reason,
         "x-kairos-fallback": "1" if route.fallback else "0",
-        "x-kairos-cached-tokens": str(route.cached_tokens),  # prompt tokens the prefilling node's cache held
     }
+    if exposure is Exposure.FULL:
+        headers["x-kairos-cached-tokens"] = str(route.cached_tokens)  # prompt tokens the prefilling node held
+    return headers
 
 
-def route_field(route: RouteTaken) -> dict[str, Any]:
-    """The body's ``kairos`` field."""
+def route_field(route: RouteTaken, exposure: Exposure) -> dict[str, Any]:
+    """The body's ``kairos`` field, as ``exposure`` allows it (empty: no field)."""
+    if exposure is Exposure.NONE:
+        return {}
     b = route.breakdown
-    return {
+    field = {
         "route": route.route.value,
         "prefill_node": route.prefill_node,
         "decode_node": route.decode_node,
@@ -64,9 +81,11 @@ def route_field(route: RouteTaken) -> dict[str, Any]:
         },
         "reason": route.reason,
         "fallback": route.fallback,
-        "cached_tokens": route.cached_tokens,
         "kv_bytes": route.kv_bytes,
     }
+    if exposure is Exposure.FULL:
+        field["cached_tokens"] = route.cached_tokens
+    return {"kairos": field}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -80,8 +99,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 class ResponseWriter:
     """Bodies of one request's response, non-streamed or as server-sent events."""
 
-    def __init__(self, model_id: str, route: RouteTaken, request: PreparedRequest) -> None:
+    def __init__(self, model_id: str, route: RouteTaken, request: PreparedRequest, exposure: Exposure) -> None:
         self.model_id, self.route, self.request = model_id, route, request
+        self.route_field = route_field(route, exposure)  # the body's (or first event's) ``kairos`` field, if any
         self.options = options = request.options
         self.chat = options.chat
         self.prompt_tokens = request.prompt_tokens
@@ -179,7 +199,7 @@ class ResponseWriter:
             "choices": [choice],
             "usage": usage(self.prompt_tokens, len(tokens)),
             **extra,
-            "kairos": route_field(self.route),
+            **self.route_field,
         }
 
     def _event(self, body: dict[str, Any]) -> str:
@@ -206,7 +226,7 @@ class ResponseWriter:
         first, last = tokens[0].index == 0, tokens[-1]
         text = "".join(t.text for t in tokens)
         choice: dict[str, Any] = {"index": 0}
-        extra: dict[str, Any] = {"kairos": route_field(self.route)} if first else {}
+        extra: dict[str, Any] = dict(self.route_field) if first else {}
         if self.chat:
             choice["delta"] = {"role": self.options.role, "content": text} if first else {"content": text}
             choice["logprobs"] = self._chat_logprobs(tokens)

@@ -65,7 +65,7 @@ from kairos_ray.core import (
     node_after,
 )
 from kairos_ray.heap import freeze_startup_heap
-from kairos_ray.messages import DecisionRequest, NodeState, PrefixDelta, RouterLive, RoutingReply, WireAddress
+from kairos_ray.messages import DecisionRequest, NodeState, PrefixDelta, Residue, RouterLive, RoutingReply, WireAddress
 from kairos_ray.serve.metrics import RouterMetrics
 from kairos_ray.serve.refit import OnlineRefit
 from kairos_ray.serve.wire import WireServer
@@ -75,6 +75,7 @@ logger = logging.getLogger("ray.serve")
 HEALTH_CHECK_PERIOD_S = 2.0  # Serve asks the router replica this often whether its actor answers
 HEALTH_CHECK_TIMEOUT_S = 10.0
 ACTOR_PING_TIMEOUT_S = 5.0  # an actor that does not answer a ping in time is hung: the replica reports unhealthy
+LIVE_REFRESH_S = 1.0  # the live view (``GET /kairos/state``) is built at most this often
 
 
 class MissingState(RuntimeError):
@@ -147,11 +148,9 @@ class RouterState:
             handoff = self.handoffs.get(rid)
             if handoff is not None and handoff.decision.decode_node == node:
                 self._drop_handoff(rid)
+        self.expire(now)  # an idle router's ledger empties too, not only at its next decision
         if not state.healthy:
-            self.states.pop(node, None)
-            self.received.pop(node, None)
-            self._drop_cache(node)
-            self._view = None
+            self._leave(node)
             return
         if node not in self.states:
             self._view = None
@@ -195,9 +194,26 @@ class RouterState:
 
     def forget_silent_nodes(self, now: float) -> None:
         for node in [n for n, seen in self.received.items() if now - seen > self.node_timeout_s]:
-            del self.states[node], self.received[node]
-            self._drop_cache(node)
-            self._view = None
+            self._leave(node)
+
+    def _leave(self, node: str) -> None:
+        """A node leaves the view, with its prefix mirror and every ledger entry that names it (their requests
+        are re-decided elsewhere)."""
+        self.states.pop(node, None)
+        self.received.pop(node, None)
+        self._drop_cache(node)
+        for rid in list(self._pending_at.pop(node, {})):
+            self._drop(rid)
+            self._drop_handoff(rid)
+        self._view = None
+
+    def residue(self) -> dict[str, int]:
+        """Ledger entries (``messages.Residue``): all 0 once every decision is acknowledged or expired."""
+        return {
+            "ledger": len(self.pending),
+            "handoffs": len(self.handoffs),
+            "ledger_by_node": sum(map(len, self._pending_at.values())),
+        }
 
     def _drop(self, rid: int) -> None:
         """Take a request's entry off the ledger (acknowledged, expired or replaced by a retry)."""
@@ -212,7 +228,11 @@ class RouterState:
             self._unmark(rid, _handed_to(entry.decision))
 
     def _unmark(self, rid: int, node: str) -> None:
-        self._pending_at[node].pop(rid, None)
+        entries = self._pending_at.get(node)
+        if entries is not None:
+            entries.pop(rid, None)
+            if not entries:
+                del self._pending_at[node]
         self._stale.add(node)
 
     def _add(self, rid: int, entry: _Pending) -> None:
@@ -222,7 +242,7 @@ class RouterState:
             self.handoffs[rid] = entry
             self._pending_at.setdefault(_handed_to(entry.decision), {})[rid] = entry
 
-    def _expire(self, now: float) -> None:
+    def expire(self, now: float) -> None:
         """Drop ledger entries no engine acknowledged within ``pending_ttl_s``, and hand-offs no decode node
         acknowledged within ``handoff_ttl_s`` (oldest first)."""
         for entries, ttl_s, drop in (
@@ -258,7 +278,7 @@ class RouterState:
     def view(self, now: float, avoid: Collection[str] = ()) -> tuple[ClusterView, float]:
         """(view, staleness in seconds of the oldest report in it), without the nodes in ``avoid``."""
         self.forget_silent_nodes(now)
-        self._expire(now)
+        self.expire(now)
         view = self._current()
         if avoid:
             view = ClusterView(
@@ -332,6 +352,7 @@ class RouterActor:
         self.tcp_line = options.tcp_line
         self._server: WireServer | None = None
         self._wire: asyncio.Future[WireAddress] | None = None
+        self._live: tuple[float, RouterLive] | None = None  # the last live view and when it was built
         if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:  # its own process only
             freeze_startup_heap("router", logger)
 
@@ -394,11 +415,19 @@ class RouterActor:
             self.metrics.refits.inc()
 
     def live(self) -> RouterLive:
-        """Every live node's last report and the last minute's steps and decisions (``serve.live``)."""
+        """Every live node's last report and the last minute's steps and decisions (``serve.live``).
+
+        Built at most every ``LIVE_REFRESH_S`` (callers in between get the last one): with full windows it
+        costs the actor's one loop, which every decision waits for, far more than a decision does.
+        """
         now = time.monotonic()
+        if self._live is not None and now - self._live[0] < LIVE_REFRESH_S:
+            return self._live[1]
         self.state.forget_silent_nodes(now)
         states = {node: (state, self.state.received[node]) for node, state in self.state.states.items()}
-        return self.metrics.window.live(self.state.policy.spec, states, now)
+        live = self.metrics.window.live(self.state.policy.spec, states, now)
+        self._live = (now, live)
+        return live
 
     def prefix_hits(self, block_ids: dict[int, tuple[int, ...]], prompt_tokens: int) -> dict[str, int]:
         """Each node's cached prefix of such a prompt, as the router's mirrors hold it (for tests and debugging)."""
@@ -409,6 +438,13 @@ class RouterActor:
         """The last state of every live node (for tests and debugging)."""
         self.state.forget_silent_nodes(time.monotonic())
         return dict(self.state.states)
+
+    def residue(self) -> Residue:
+        """What the router keeps per request (``messages.Residue``); its ledger expires as it would at a decision."""
+        now = time.monotonic()
+        self.state.forget_silent_nodes(now)
+        self.state.expire(now)
+        return Residue("router", self.state.residue())
 
 
 @serve.deployment(
@@ -456,3 +492,7 @@ class Router:
     async def snapshot(self) -> dict[str, NodeState]:
         states: dict[str, NodeState] = await self.actor.snapshot.remote()
         return states
+
+    async def residue(self) -> Residue:
+        residue: Residue = await self.actor.residue.remote()
+        return residue

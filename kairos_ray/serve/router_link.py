@@ -160,8 +160,8 @@ class RouterLink:
 
         An ingress calls it as it starts, so that its first decision does not
         wait for them (a first Serve call to the ``Router`` deployment, a Ray
-        call, a connection: 70 ms on a 2-core machine). Call it on the loop
-        the link is used on.
+        call and a connection, together far longer than a decision). Call it
+        on the loop the link is used on.
         """
         if self._actor is None and (self._fetching is None or self._fetching.done()):
             self._fetching = asyncio.get_running_loop().create_task(self._fetch())

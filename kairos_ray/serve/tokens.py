@@ -23,8 +23,10 @@ truncation, special tokens) change nothing.
 from __future__ import annotations
 
 import asyncio
+import functools
 import warnings
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pydantic import ValidationError
@@ -43,6 +45,9 @@ from kairos_ray.serve.protocol import (
 )
 
 TEMPLATE_TOKENS_PER_MESSAGE = 4  # emulated engines: what a chat template adds per message
+# Structured-output grammars are compiled to be checked on threads of their own: a hostile one that compiles for
+# long holds one of these (the ingress answers it at its deadline), never the event loop or the default executor.
+_CHECKS = ThreadPoolExecutor(4, thread_name_prefix="kairos-input-check")
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
@@ -212,7 +217,14 @@ class Preprocessor:
             )
             sampling = request.to_sampling_params(max_tokens, self.defaults)
             if self.processor is not None:  # what vLLM's engine front end checks before it takes a request
-                self.processor.process_inputs("check", engine_input, sampling, ("generate",), priority=request.priority)
+                check = functools.partial(
+                    self.processor.process_inputs, "check", engine_input, sampling, ("generate",),
+                    priority=request.priority,
+                )  # fmt: skip
+                if off_loop or sampling.structured_outputs is not None:  # a grammar compiles: not on the loop
+                    await asyncio.get_running_loop().run_in_executor(_CHECKS, check)
+                else:
+                    check()
         except Exception as exc:
             raise _client_error(exc, param) from None
         # the client's request_id names the response, as in vLLM's server (Serve sets X-Request-Id on every request)

@@ -1,10 +1,12 @@
 """Real vLLM CPU engines with the tiny model: a deflected request is prefilled exactly in its schedule's chunks."""
 
+from collections import OrderedDict
+
 import pytest
 
 from kairos_ray.core import StepLatencyModel
 from kairos_ray.engines.vllm_args import GUARD_KEY, guard_spec
-from kairos_ray.engines.vllm_scheduler import next_chunk
+from kairos_ray.engines.vllm_scheduler import CHUNK_LOG_REQUESTS, ChunkScheduleScheduler, next_chunk
 from tests.engines.tiny import GREEDY, PROMPTS, engine
 
 # 10 ms a step plus 0.1 ms a prefill token, against a 16.5 ms budget: beside a decode batch at most 64-token chunks
@@ -105,3 +107,13 @@ def test_the_run_time_guard_counts_the_requests_own_prefix(runs):
                 assert tokens <= 128
             prefix += tokens
     assert any(tokens == 256 for tokens, _ in by_prefix[-1][1])  # the unshrunk first chunk
+
+
+def test_the_chunk_log_keeps_the_latest_requests_only():
+    scheduler = ChunkScheduleScheduler.__new__(ChunkScheduleScheduler)  # its log alone: no engine behind it
+    scheduler.chunk_log = OrderedDict()
+    for i in range(CHUNK_LOG_REQUESTS + 10):
+        scheduler._log(f"r{i}", 100, 1)
+        scheduler._log(f"r{i}", 50, 1)
+    assert len(scheduler.chunk_log) == CHUNK_LOG_REQUESTS
+    assert next(iter(scheduler.chunk_log)) == "r10" and scheduler.chunk_log["r73"] == [(100, 1), (50, 1)]

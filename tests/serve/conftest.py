@@ -11,8 +11,10 @@ from ray import serve
 from ray.serve._private.api import serve_start
 from ray.serve.schema import ServeDeploySchema
 
+from kairos_ray.bench import faults
 from kairos_ray.bench.local import free_port, local_serve
 from kairos_ray.core import block_ids
+from kairos_ray.messages import Residue
 from kairos_ray.serve import build_app
 
 MODEL = "deepseek-v2-lite"
@@ -29,7 +31,7 @@ def app_args(**serving):
         "prefill_config": pool("prefill_node"),
         "decode_config": pool("decode_node"),
         "kairos": {"policy": {"name": "kairos"}},
-        "serving": {"max_in_flight": 48, "refit_every_steps": 200, **serving},
+        "serving": {"max_in_flight": 48, "refit_every_steps": 200, "expose_routing": True, **serving},
     }
 
 
@@ -81,6 +83,18 @@ def wait_for_prefix(node: str, prompt: list[int], block_tokens: int, tokens: int
             return
         time.sleep(0.2)
     pytest.fail(f"the router's mirrors hold {hits} tokens of the prompt, not {tokens} on {node}")
+
+
+def wait_for_no_residue(within_s: float = 90.0, app_name: str = "kairos") -> list[Residue]:
+    """Every process's residue once none holds anything per request (fails naming what is left)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        found = faults.residues(app_name)
+        if all(r.idle for r in found):
+            return found
+        if time.monotonic() > deadline:
+            pytest.fail("per-request state left once idle: " + "; ".join(map(str, found)))
+        time.sleep(0.5)
 
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "cluster" / "grafana" / "kairos-dashboard.json"

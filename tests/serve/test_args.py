@@ -8,7 +8,7 @@ import yaml
 from pydantic import ValidationError
 from ray.llm._internal.serve.constants import DEFAULT_MAX_TARGET_ONGOING_REQUESTS
 
-from kairos_ray.serve import build_app, pool_options
+from kairos_ray.serve import REQUEST_TIMEOUT_S, build_app, pool_options
 from kairos_ray.serve.args import AppArgs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "serve_configs"
@@ -29,6 +29,16 @@ def test_shipped_configs_validate(name, nodes):
     assert args.decode_config.deployment_config.num_replicas == nodes
     assert args.prefill_config.deployment_config.ray_actor_options["resources"] == {"prefill_node": 1}
     assert args.decode_config.deployment_config.ray_actor_options["resources"] == {"decode_node": 1}
+
+
+@pytest.mark.parametrize(
+    "name, exposed", [("2p2d-emulated.yaml", True), ("2p2d-cpu.yaml", True), ("2p2d.yaml", False), ("1p1d.yaml", False)]
+)
+def test_shipped_configs_bound_every_request_and_show_routes_only_locally(name, exposed):
+    config = yaml.safe_load((CONFIGS / name).read_text())
+    assert config["http_options"]["request_timeout_s"] == REQUEST_TIMEOUT_S
+    serving = AppArgs.model_validate(args_of(name)).serving
+    assert serving.expose_routing is exposed and serving.require_api_key is not exposed
 
 
 @pytest.mark.parametrize("name", ["2p2d.yaml", "1p1d.yaml"])

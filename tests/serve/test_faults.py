@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import time
 
@@ -25,9 +26,10 @@ from kairos_ray.engines.emulated import token_id
 from kairos_ray.messages import Role
 from kairos_ray.serve import build_app
 
-from .conftest import MODEL, app_args, running_app
+from .conftest import MODEL, app_args, running_app, wait_for_no_residue
 
-KEY = "sk-kairos-test"
+KEY = "sk-kairos-test"  # a tenant's key on the secured app
+ADMIN = "sk-kairos-admin"  # its operator's
 LIMITS = {
     "first_token_timeout_s": 8.0,
     "token_stall_timeout_s": 3.0,
@@ -41,7 +43,10 @@ def app():
     args = app_args(**LIMITS)
     args["kairos"]["policy"]["name"] = "sl:2000"
     with running_app(args, MODEL, ready_within_s=120) as (url, metrics_url):
-        secured = app_args(api_keys=[KEY])
+        # a second app: tenant and admin keys, no routing shown to tenants, no migration
+        secured = app_args(
+            api_keys=[KEY], admin_api_keys=[ADMIN], expose_routing=False, api_docs=True, max_migrations=0
+        )
         serve.run(build_app(secured), name="secured", route_prefix="/secured")
         yield url, metrics_url
 
@@ -76,12 +81,12 @@ def idle(states) -> bool:
     )
 
 
-def stream_events(url: str, body: dict, on_token=None, timeout_s: float = 120.0):
-    """(status, headers, parsed data events, saw [DONE]) of a streamed completion."""
+def stream_events(url: str, body: dict, on_token=None, timeout_s: float = 120.0, key: str | None = None):
+    """(status, headers, parsed data events, saw [DONE]) of a streamed completion (with API key ``key``)."""
     events, done = [], False
-    with httpx.stream(
-        "POST", f"{url}/v1/completions", json={"model": MODEL, "stream": True, **body}, timeout=timeout_s
-    ) as r:
+    body = {"model": MODEL, "stream": True, **body}
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=timeout_s) as r:
         if r.status_code != 200:
             return r.status_code, r.headers, [json.loads(r.read())], False
         for line in r.iter_lines():
@@ -159,21 +164,36 @@ def test_a_decode_replica_killed_mid_stream_is_migrated_and_the_stream_goes_on(a
     wait_until(lambda: 'stage="migration"' in httpx.get(metrics_url, timeout=10).text, what="a counted migration")
 
 
-def test_a_prefill_replica_killed_with_queued_requests_loses_none(app):
-    url, _ = app
+def kill_a_busy_prefill_node(url: str) -> list[httpx.Response]:
+    """Eight long prompts' responses, sent while the prefill node holding some of them in its queue is killed."""
     wait_until(lambda: idle(node_states()), what="an idle app")
+
+    def queued() -> str | None:
+        states = node_states()
+        return next((n for n, s in states.items() if s.role is Role.PREFILL and s.view.queued_prompt_tokens), None)
 
     async def burst():
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            body = {"model": MODEL, "prompt": list(range(12_000)), "max_tokens": 3}
-            sends = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(8)]
-            await asyncio.sleep(0.3)  # queued on the prefill nodes by now
-            states = await asyncio.to_thread(node_states)
-            victim = next(n for n, s in states.items() if s.role is Role.PREFILL and s.view.queued_prompt_tokens)
+            base = random.randrange(1, 1 << 20) * 100_000  # prompts no prefix cache holds: they queue whole
+            bodies = [
+                {"model": MODEL, "prompt": list(range(base + i, base + i + 12_000)), "max_tokens": 3} for i in range(8)
+            ]
+            sends = [asyncio.create_task(client.post("/v1/completions", json=body)) for body in bodies]
+            try:
+                victim = await asyncio.to_thread(wait_until, queued, 30, "a prefill node with queued prompts")
+            except AssertionError:
+                answers = await asyncio.gather(*sends)
+                seen = [(r.status_code, r.text[:200]) for r in answers]
+                raise AssertionError(f"no prompt queued; answers {seen}") from None
             await asyncio.to_thread(faults.kill_replica, "kairos", victim)
             return await asyncio.gather(*sends)
 
-    responses = asyncio.run(burst())
+    return asyncio.run(burst())
+
+
+def test_a_prefill_replica_killed_with_queued_requests_loses_none(app):
+    url, _ = app
+    responses = kill_a_busy_prefill_node(url)
     assert [r.status_code for r in responses] == [200] * 8
     assert all(r.json()["usage"]["completion_tokens"] == 3 for r in responses)
     wait_until(lambda: healthy(url)["in_flight"] == 0, what="no request in flight")
@@ -336,6 +356,69 @@ def test_the_api_key_is_required_where_one_is_set(app):
     assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL
 
 
+@pytest.mark.parametrize("header, value", [("x-request-disconnect-disabled", "?1"), ("x-request-timeout-seconds", "0")])
+def test_a_request_asking_to_outlive_its_client_is_refused_before_it_runs(app, header, value):
+    """Serve's proxy would keep such a request running after its client left (or past Serve's timeout)."""
+    url, _ = app
+    body = {"model": MODEL, "prompt": list(range(16_000)), "max_tokens": 2000, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={header: value}, timeout=30) as r:
+        assert r.status_code == 400 and json.loads(r.read())["error"]["param"] == header
+    assert healthy(url)["in_flight"] == 0
+    wait_for_no_residue()  # nothing of it reached the router or an engine
+
+
+def secured_post(url: str, body: dict, key: str) -> httpx.Response:
+    r = httpx.post(f"{url}/secured/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_tenants_see_no_route_no_node_and_no_cache_hit_where_routing_is_not_exposed(app):
+    url, _ = app
+    prompt = list(range(777_000, 779_000))  # 2,000 tokens: a second send finds them cached
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+    wait_until(lambda: secured_post(url, body, ADMIN).headers.get("x-kairos-fallback") == "0", what="routing decisions")
+    tenant = secured_post(url, body, KEY)
+    assert not any(h.startswith("x-kairos-") for h in tenant.headers) and "kairos" not in tenant.json()
+    streamed = httpx.post(f"{url}/secured/v1/completions", json={**body, "stream": True},
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=60)  # fmt: skip
+    assert streamed.status_code == 200 and '"kairos"' not in streamed.text and "decode-" not in streamed.text
+    admin = secured_post(url, body, ADMIN)  # the operator sees everything, the cache hit included
+    assert admin.headers["x-kairos-decode-node"].startswith("decode-") and "x-kairos-cached-tokens" in admin.headers
+    assert admin.json()["kairos"]["cached_tokens"] == int(admin.headers["x-kairos-cached-tokens"]) > 0
+
+
+def test_the_live_view_and_the_api_docs_are_for_admin_keys_and_the_view_is_built_once_a_second(app):
+    url, _ = app
+    secured = f"{url}/secured"
+    for path in ("/kairos/state", "/openapi.json", "/docs"):
+        assert httpx.get(f"{secured}{path}", timeout=30).status_code == 401
+        tenant = httpx.get(f"{secured}{path}", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+        assert tenant.status_code == 403 and tenant.json()["error"]["type"] == "permission_error"
+        admin = httpx.get(f"{secured}{path}", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+        assert admin.status_code == 200, (path, admin.text)
+    assert "/v1/completions" in httpx.get(f"{secured}/openapi.json", headers={"Authorization": f"Bearer {ADMIN}"},
+                                          timeout=30).json()["paths"]  # fmt: skip
+    assert httpx.get(f"{url}/openapi.json", timeout=30).status_code == 404  # off unless serving.api_docs
+    states = [httpx.get(f"{url}/kairos/state", timeout=30).json()["wall_s"] for _ in range(5)]
+    assert len(set(states)) < len(states)  # callers within a second share one answer
+
+
+def test_a_failure_behind_a_remote_error_shows_the_client_no_traceback_and_names_its_request(app):
+    """The secured app migrates nothing: its decode replica killed mid-stream ends the stream with an error event,
+    whose cause (the dead actor's error: ids, addresses) stays in the log."""
+    url, _ = app
+    kill = AfterTokens(3, lambda node: faults.kill_replica("secured", node))
+    body = {"prompt": list(range(600)), "max_tokens": 60}
+    status, _, events, done = stream_events(f"{url}/secured", body, kill, key=ADMIN)
+    assert status == 200 and done and kill.done
+    (error,) = [e["error"] for e in events if "error" in e]
+    rid = events[0]["id"].removeprefix("cmpl-")
+    assert f"request {rid}" in error["message"] and "its decode nodes failed" in error["message"]
+    for leak in ("Traceback", 'File "', "Error", "pid", "actor", ".py", "decode-"):
+        assert leak not in error["message"], error["message"]
+
+
 def test_the_ray_session_is_the_apps(app):
     """A guard on the helpers above: the fault injection finds this app's replicas."""
     assert len(faults.replica_names("kairos", "decode")) == 2 and ray.is_initialized()
@@ -402,3 +485,47 @@ def test_generated_bodies_never_get_a_5xx_and_the_app_keeps_serving(app):
         wait_until(lambda: healthy(f"{url}/fuzz")["in_flight"] == 0, what="no request in flight")
     finally:
         serve.delete("fuzz")
+
+
+def test_every_per_request_structure_is_empty_once_idle_however_its_requests_ended(app):
+    url, _ = app
+    wait_until(lambda: idle(node_states()), what="an idle app")
+
+    async def every_ending():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+
+            async def complete(prompt_tokens: int, stream: bool, max_tokens: int = 4) -> int:
+                body = {
+                    "model": MODEL,
+                    "prompt": list(range(prompt_tokens)),
+                    "max_tokens": max_tokens,
+                    "stream": stream,
+                }
+                return (await client.post("/v1/completions", json=body)).status_code
+
+            async def leave(after_first_token: bool) -> None:
+                body = {"model": MODEL, "prompt": list(range(16_000)), "max_tokens": 500, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if not after_first_token or line.startswith("data: "):
+                            return  # the client goes away, before its first token or after it
+
+            # completed, on both routes (sl:2000: deflected up to 2,000 tokens, disaggregated past it)
+            done = await asyncio.gather(*(complete(p, s) for p in (100, 3000) for s in (False, True)))
+            # clients gone before and after their first token
+            await asyncio.gather(*(leave(after) for after in (False, True, False, True)))
+            # shed: more at once than the ingress admits (max_in_flight) are refused with 429
+            burst = [complete(4000, False, max_tokens=300) for _ in range(LIMITS["max_in_flight"] + 12)]
+            shed = await asyncio.gather(*burst)
+            return done, shed
+
+    done, shed = asyncio.run(every_ending())
+    assert done == [200] * 4 and 429 in shed and set(shed) <= {200, 429}
+    # migrated (its decode replica killed mid-stream) and failed over (a prefill replica killed with work queued)
+    kill = AfterTokens(3, lambda node: faults.kill_replica("kairos", node))
+    status, _, _, finished = stream_events(url, {"prompt": list(range(500)), "max_tokens": 40}, kill)
+    assert status == 200 and finished and kill.done
+    assert {r.status_code for r in kill_a_busy_prefill_node(url)} == {200}
+
+    wait_until(lambda: idle(node_states()), what="an idle app again")
+    assert len(wait_for_no_residue()) == 6  # the ingress, the router and the four nodes were all asked

@@ -21,8 +21,8 @@ from kairos_ray.core import Route
 from kairos_ray.messages import TokenEvent, TokenLogprob, TTFTBreakdown
 from kairos_ray.serve.auth import ApiKeys
 from kairos_ray.serve.dispatch import RouteTaken
-from kairos_ray.serve.protocol import PreparedRequest
-from kairos_ray.serve.responses import ResponseWriter, route_headers
+from kairos_ray.serve.protocol import LIST_CAPS, PreparedRequest, RequestError
+from kairos_ray.serve.responses import Exposure, ResponseWriter, route_headers
 from kairos_ray.serve.tokens import Preprocessor
 
 DEFLECTED = RouteTaken(
@@ -72,7 +72,7 @@ def events(lines: list[str]) -> list[dict]:
 
 @pytest.mark.parametrize("route", [DEFLECTED, HANDED_OFF])
 def test_headers_report_the_route_and_a_breakdown_that_adds_up(route):
-    headers = route_headers(route)
+    headers = route_headers(route, Exposure.FULL)
     parts = dict(item.split("=") for item in headers["x-kairos-breakdown"].split(";"))
     assert set(parts) == {"prefill_queue", "prefill_exec", "kv_transfer", "decode_queue"}
     assert sum(map(float, parts.values())) == pytest.approx(float(headers["x-kairos-ttft-s"]))
@@ -84,7 +84,7 @@ def test_headers_report_the_route_and_a_breakdown_that_adds_up(route):
 
 
 def test_a_full_completion_body_counts_its_tokens_and_carries_the_route():
-    body = ResponseWriter("m", DEFLECTED, prepared({}, prompt_tokens=1636)).full(tokens(3))
+    body = ResponseWriter("m", DEFLECTED, prepared({}, prompt_tokens=1636), Exposure.FULL).full(tokens(3))
     assert body["id"] == "cmpl-42" and body["object"] == "text_completion" and body["model"] == "m"
     (choice,) = body["choices"]
     assert choice["text"] == " t0 t1 t2" and choice["finish_reason"] == "stop"
@@ -93,7 +93,7 @@ def test_a_full_completion_body_counts_its_tokens_and_carries_the_route():
 
 
 def test_a_chat_stream_opens_with_the_role_and_the_route_and_closes_with_usage():
-    writer = ResponseWriter("m", HANDED_OFF, prepared({"stream": True}, chat=True, prompt_tokens=7))
+    writer = ResponseWriter("m", HANDED_OFF, prepared({"stream": True}, chat=True, prompt_tokens=7), Exposure.FULL)
     done = writer.done()
     assert done == "data: [DONE]\n\n"
     chunks = split(writer.tokens(tokens(3)) + writer.usage(3))
@@ -127,11 +127,11 @@ def split(stream: str) -> list[dict]:
 
 def test_continuous_usage_counts_the_tokens_so_far_in_every_event():
     usage = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    writer = ResponseWriter("m", DEFLECTED, prepared(usage, prompt_tokens=10))
+    writer = ResponseWriter("m", DEFLECTED, prepared(usage, prompt_tokens=10), Exposure.FULL)
     chunks = split(writer.tokens(tokens(3)))
     assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3]
     assert all(c["usage"]["prompt_tokens"] == 10 for c in chunks)
-    plain = split(ResponseWriter("m", DEFLECTED, prepared({"stream": True})).tokens(tokens(1)))
+    plain = split(ResponseWriter("m", DEFLECTED, prepared({"stream": True}), Exposure.FULL).tokens(tokens(1)))
     assert "usage" not in plain[0]
 
 
@@ -179,9 +179,13 @@ def test_logprobs_are_written_as_vllms_server_writes_them_streamed_or_not(chat, 
     asked = {"logprobs": True, "top_logprobs": top} if chat else {"logprobs": top}
     asked["return_tokens_as_token_ids"] = as_ids
     expected = vllm_logprobs(chat, top, as_ids)
-    full = ResponseWriter("m", DEFLECTED, prepared(asked, chat)).full(logprob_tokens())
+    full = ResponseWriter("m", DEFLECTED, prepared(asked, chat), Exposure.FULL).full(logprob_tokens())
     assert full["choices"][0]["logprobs"] == expected
-    streamed = split(ResponseWriter("m", DEFLECTED, prepared({**asked, "stream": True}, chat)).tokens(logprob_tokens()))
+    streamed = split(
+        ResponseWriter("m", DEFLECTED, prepared({**asked, "stream": True}, chat), Exposure.FULL).tokens(
+            logprob_tokens()
+        )
+    )
     parts = [c["choices"][0]["logprobs"] for c in streamed]
     if chat:
         assert [entry for part in parts for entry in part["content"]] == expected["content"]
@@ -190,17 +194,74 @@ def test_logprobs_are_written_as_vllms_server_writes_them_streamed_or_not(chat, 
 
 
 def test_echo_token_ids_and_the_clients_request_id_shape_the_body():
-    body = ResponseWriter("m", DEFLECTED, prepared({"prompt": "one two", "echo": True})).full(tokens(2))
+    body = ResponseWriter("m", DEFLECTED, prepared({"prompt": "one two", "echo": True}), Exposure.FULL).full(tokens(2))
     assert body["choices"][0]["text"] == "one two t0 t1"
-    ids = ResponseWriter("m", DEFLECTED, prepared({"return_token_ids": True, "request_id": "abc"})).full(tokens(2))
+    ids = ResponseWriter("m", DEFLECTED, prepared({"return_token_ids": True, "request_id": "abc"}), Exposure.FULL).full(
+        tokens(2)
+    )
     assert ids["id"] == "cmpl-abc" and ids["choices"][0]["token_ids"] == [100, 101]
     assert ids["choices"][0]["stop_reason"] is None and ids["choices"][0]["text"] == " t0 t1"
-    chat = ResponseWriter("m", HANDED_OFF, prepared({"request_id": "mine"}, chat=True)).full(tokens(1))
+    chat = ResponseWriter("m", HANDED_OFF, prepared({"request_id": "mine"}, chat=True), Exposure.FULL).full(tokens(1))
     assert chat["id"] == "chatcmpl-mine" and chat["choices"][0]["message"]["role"] == "assistant"
-    assert ResponseWriter("m", HANDED_OFF, prepared({}, chat=True)).full(tokens(1))["id"] == "chatcmpl-43"
+    assert (
+        ResponseWriter("m", HANDED_OFF, prepared({}, chat=True), Exposure.FULL).full(tokens(1))["id"] == "chatcmpl-43"
+    )
 
 
 def test_stream_interval_sends_the_tokens_that_come_together_in_one_event():
-    grouped = split(ResponseWriter("m", DEFLECTED, prepared({"stream": True, "stream_interval": 4})).tokens(tokens(3)))
+    grouped = split(
+        ResponseWriter("m", DEFLECTED, prepared({"stream": True, "stream_interval": 4}), Exposure.FULL).tokens(
+            tokens(3)
+        )
+    )
     assert len(grouped) == 1 and grouped[0]["choices"][0]["text"] == " t0 t1 t2"
     assert grouped[0]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_admin_keys_are_accepted_keys_and_an_open_app_makes_every_caller_its_admin(monkeypatch):
+    monkeypatch.setenv("KAIROS_TEST_ADMIN", "sk-admin-env")
+    keys = ApiKeys.gather(["sk-tenant"], None, None, ["sk-admin"], "KAIROS_TEST_ADMIN")
+    assert all(keys.allows(f"Bearer {k}") for k in ("sk-tenant", "sk-admin", "sk-admin-env"))
+    assert keys.admin("Bearer sk-admin") and keys.admin("Bearer sk-admin-env")
+    assert not keys.admin("Bearer sk-tenant") and not keys.admin(None)
+    assert ApiKeys.gather([], None, None).admin(None)
+
+
+@pytest.mark.parametrize("route", [DEFLECTED, HANDED_OFF])
+def test_what_a_response_shows_of_its_route_follows_its_exposure(route):
+    cached = dataclasses.replace(route, cached_tokens=512)
+    full, shown, hidden = (route_headers(cached, e) for e in (Exposure.FULL, Exposure.ROUTE, Exposure.NONE))
+    assert full["x-kairos-cached-tokens"] == "512" and "x-kairos-cached-tokens" not in shown
+    assert shown["x-kairos-decode-node"] == "decode-a" and set(shown) == set(full) - {"x-kairos-cached-tokens"}
+    assert hidden == {}
+    for exposure, field in ((Exposure.FULL, True), (Exposure.ROUTE, True), (Exposure.NONE, False)):
+        writer = ResponseWriter("m", cached, prepared({"stream": True}), exposure)
+        body, first = writer.full(tokens(2)), split(writer.tokens(tokens(1)))[0]
+        assert ("kairos" in body) is field and ("kairos" in first) is field
+        if field:
+            assert ("cached_tokens" in body["kairos"]) is (exposure is Exposure.FULL)
+            assert body["kairos"]["decode_node"] == "decode-a"
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"stop": "x" * 1025}, "stop"),
+        ({"bad_words": ["w"] * 257}, "bad_words"),
+        ({"logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias"),
+        ({"allowed_token_ids": list(range(16_385))}, "allowed_token_ids"),
+        ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),
+    ],
+)
+def test_list_valued_fields_are_capped(body, param):
+    with pytest.raises(RequestError) as refused:
+        prepared(body)
+    assert refused.value.status == 400 and refused.value.param == param
+    within = {k: v[:8] if isinstance(v, list | str) else dict(list(v.items())[:8]) for k, v in body.items()}
+    assert prepared(within).prompt_tokens == 1  # the same fields within their caps are served
+
+
+def test_a_chat_with_too_many_messages_is_refused():
+    messages = [{"role": "user", "content": "hi"}] * (LIST_CAPS["messages"] + 1)
+    with pytest.raises(RequestError, match="messages: at most"):
+        prepared({"messages": messages}, chat=True)

@@ -13,7 +13,8 @@ machine, the test changes what the machine forces, and nothing else:
 - NIXL on a CPU: ``kv_transfer_config.kv_buffer_device: cpu``;
 - CPU bundles: ``accelerator_config: {kind: cpu}`` (Ray Serve LLM's default accelerator is a GPU);
 - fewer nodes: autoscaling between 1 and 2 replicas per pool instead of 2-4 and 6-10
-  (an engine takes about 3 GB here; with Ray Serve LLM's default target each pool stays at 1).
+  (an engine takes about 3 GB here; with Ray Serve LLM's default target each pool stays at 1);
+- ``serving.expose_routing``, off by default, on: the test reads each request's route in its headers.
 """
 
 import copy
@@ -72,6 +73,7 @@ def on_this_cpu(config: dict) -> dict:
         pool["engine_kwargs"]["kv_transfer_config"]["kv_buffer_device"] = "cpu"
         pool["accelerator_config"] = {"kind": "cpu"}
         pool["deployment_config"]["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 2}
+    app["args"]["serving"] = {"expose_routing": True}
     return config
 
 

@@ -41,7 +41,7 @@ from kairos_ray.bench import faults
 from kairos_ray.bench.local import free_port
 from kairos_ray.messages import Role
 from kairos_ray.serve.args import AppArgs
-from tests.serve.conftest import running_app
+from tests.serve.conftest import running_app, wait_for_no_residue
 from tests.serve.test_args import args_of
 
 MODEL = "tiny-llama"
@@ -665,3 +665,16 @@ def test_a_decode_engine_core_that_dies_or_hangs_mid_stream_is_left_and_the_text
                 os.kill(pid, signal.SIGCONT)
     wait_for_decode_nodes(2)
     assert greedy_text(url, text, 48) == reference  # and the app serves as before
+
+
+def test_every_per_request_structure_is_empty_once_idle(cpu_app):
+    """After this module's requests (both routes, failed and migrated ones among them) and a client gone
+    mid-stream, nothing is kept per request: ingress, router, engines, vLLM's own state, staged KV."""
+    url, _ = cpu_app
+    wait_for_decode_nodes(2)
+    body = {"model": MODEL, "prompt": prompt(LONG), "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: "))  # then the client goes away
+    found = wait_for_no_residue(within_s=120)
+    assert {r.process.split("-")[0] for r in found} == {"ingress", "router", "prefill", "decode"}

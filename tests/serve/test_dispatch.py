@@ -1,0 +1,189 @@
+"""One request's run over fake pools (``tests/serve/fakes.py``): every way it can end, and what it leaves behind."""
+
+import asyncio
+
+import pytest
+
+from kairos_ray.serve.dispatch import RequestFailed, ServingLimits, StreamBroken
+from tests.serve.fakes import LIMITS, FakeCluster, deflect_to, hand_off, request, until
+
+
+def run(scenario):
+    return asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+async def streamed(run_):
+    """Every token after the first ones, as the client reads them."""
+    return [event.index for ready in [r async for r in run_.rest()] for event in ready]
+
+
+def test_a_completed_request_leaves_nothing_in_the_mux_and_cancels_nothing():
+    async def scenario():
+        cluster = FakeCluster(deflect_to("decode-a"))
+        req = request(max_tokens=3)
+        run_ = cluster.dispatcher.run(req)
+        starting = asyncio.ensure_future(run_.start())
+        await until(lambda: cluster.decode.started)
+        cluster.decode.emit("decode-a", req, 0, 1)
+        first = await starting
+        cluster.decode.emit("decode-a", req, 1, 2, last=True)
+        rest = await streamed(run_)
+        run_.close()
+        return cluster, first, rest
+
+    cluster, first, rest = run(scenario)
+    assert [e.index for e in first] == [0] and rest == [1, 2]
+    assert cluster.dispatcher.mux.residue() == {"mux_queues": 0, "mux_nodes": 0, "mux_early": 0}
+    assert cluster.decode.cancelled() == []  # it finished on its node: nothing to abort there
+
+
+def test_a_handed_off_request_releases_its_kv_once_its_first_token_is_here():
+    async def scenario():
+        cluster = FakeCluster(hand_off("prefill-a", "decode-b"))
+        req = request(max_tokens=2)
+        run_ = cluster.dispatcher.run(req)
+        starting = asyncio.ensure_future(run_.start())
+        await until(lambda: cluster.decode.started)
+        assert cluster.prefill.release.calls == []  # the decode node has not taken the KV yet
+        cluster.decode.emit("decode-b", req, 0, 1)
+        await starting
+        cluster.decode.emit("decode-b", req, 1, 1, last=True)
+        await streamed(run_)
+        run_.close()
+        return cluster, run_
+
+    cluster, run_ = run(scenario)
+    (node, started, handoff) = cluster.decode.started[0]
+    assert node == "decode-b" and handoff.node_id == "prefill-a" and started.kv_receiver == "decode-b"
+    assert cluster.prefill.release.calls == [((1,), {"node": "prefill-a"})]
+    assert run_.route.prefill_node == "prefill-a" and run_.route.decode_node == "decode-b"
+    assert sum(cluster.dispatcher.mux.residue().values()) == 0
+
+
+@pytest.mark.parametrize("when", ["before_first_token", "after_first_token"])
+def test_a_client_that_goes_away_aborts_its_run_and_frees_its_kv(when):
+    async def scenario():
+        cluster = FakeCluster(hand_off("prefill-a", "decode-a"))
+        req = request(max_tokens=8)
+        run_ = cluster.dispatcher.run(req)
+        starting = asyncio.ensure_future(run_.start())
+        await until(lambda: cluster.decode.started)
+        if when == "before_first_token":
+            starting.cancel()  # the client's connection closed: Serve cancels the handler
+            with pytest.raises(asyncio.CancelledError):
+                await starting
+        else:
+            cluster.decode.emit("decode-a", req, 0, 1)
+            await starting
+            cluster.decode.emit("decode-a", req, 1, 1)
+            reading = run_.rest()
+            await anext(reading)
+            await reading.aclose()
+        run_.close()
+        return cluster
+
+    cluster = run(scenario)
+    assert cluster.decode.cancelled() == [(1, 0, "decode-a")]
+    assert len(cluster.prefill.release.calls) == 1  # held KV freed exactly once
+    assert sum(cluster.dispatcher.mux.residue().values()) == 0
+
+
+def test_a_node_that_fails_before_the_first_token_is_avoided_and_the_request_runs_elsewhere():
+    async def scenario():
+        cluster = FakeCluster(lambda r: deflect_to("decode-b" if "decode-a" in r.avoid else "decode-a")(r))
+        cluster.decode.refuse["decode-a"] = RuntimeError("replica died")
+        req = request(max_tokens=1)
+        run_ = cluster.dispatcher.run(req)
+        starting = asyncio.ensure_future(run_.start())
+        await until(lambda: cluster.decode.started)
+        cluster.decode.emit("decode-b", req, 0, 1, last=True)
+        first = await starting
+        run_.close()
+        return cluster, run_, first
+
+    cluster, run_, first = run(scenario)
+    assert first[0].node_id == "decode-b" and run_.attempts == 2
+    assert [r.avoid for r in cluster.router.asked] == [(), ("decode-a",)]
+    assert sum(cluster.dispatcher.mux.residue().values()) == 0
+
+
+def test_a_decode_node_that_fails_mid_stream_is_left_and_the_stream_goes_on_from_the_tokens_sent():
+    async def scenario():
+        cluster = FakeCluster(lambda r: deflect_to("decode-b" if "decode-a" in r.avoid else "decode-a")(r))
+        req = request(prompt_tokens=10, max_tokens=5)
+        run_ = cluster.dispatcher.run(req)
+        starting = asyncio.ensure_future(run_.start())
+        await until(lambda: cluster.decode.started)
+        cluster.decode.emit("decode-a", req, 0, 2)
+        await starting
+        reading = asyncio.ensure_future(streamed(run_))
+        cluster.decode.fail("decode-a", req, "EngineUnhealthy: stalled")
+        await until(lambda: len(cluster.decode.started) == 2)
+        moved = cluster.decode.started[1][1]
+        cluster.decode.emit("decode-b", moved, 2, 3, last=True)
+        rest = await reading
+        run_.close()
+        return cluster, run_, moved, rest
+
+    cluster, run_, moved, rest = run(scenario)
+    assert rest == [2, 3, 4] and run_.migrations == 1
+    assert moved.prompt_tokens == 12 and moved.max_tokens == 3 and moved.output_offset == 2
+    assert moved.prompt_token_ids[-2:] == (1000, 1001)  # the prompt plus the tokens the client has
+    assert cluster.decode.cancelled() == [(1, 0, "decode-a")]
+    assert sum(cluster.dispatcher.mux.residue().values()) == 0
+
+
+def test_a_broken_subscription_moves_its_requests_and_migrations_run_out():
+    async def scenario():
+        limits = ServingLimits(5.0, 5.0, 5.0, max_attempts=3, max_migrations=1)
+        cluster = FakeCluster(deflect_to(""), limits=limits)
+        req = request(max_tokens=5)
+        run_ = cluster.dispatcher.run(req)
+        starting = asyncio.ensure_future(run_.start())
+        await until(lambda: cluster.decode.started)
+        cluster.decode.emit("decode-a", req, 0, 1)
+        await starting
+        reading = asyncio.ensure_future(streamed(run_))
+        cluster.decode.break_subscription("decode-a", ConnectionError("replica died"))
+        await until(lambda: len(cluster.decode.started) == 2)
+        cluster.decode.fail("decode-b", cluster.decode.started[1][1], "EngineUnhealthy: died")
+        with pytest.raises(StreamBroken, match="1 migrations"):
+            await reading
+        run_.close()
+        return cluster
+
+    cluster = run(scenario)
+    assert [node for node, _, _ in cluster.decode.started] == ["decode-a", "decode-b"]
+    assert sum(cluster.dispatcher.mux.residue().values()) == 0
+
+
+def test_no_first_token_within_the_deadline_is_a_504_and_aborts_the_run():
+    async def scenario():
+        limits = ServingLimits(5.0, first_token_timeout_s=0.2, token_stall_timeout_s=5.0, max_attempts=3,
+                               max_migrations=1)  # fmt: skip
+        cluster = FakeCluster(hand_off("prefill-a", "decode-a"), limits=limits)
+        run_ = cluster.dispatcher.run(request())
+        with pytest.raises(RequestFailed) as failed:
+            await run_.start()
+        return cluster, failed.value
+
+    cluster, failed = run(scenario)
+    assert failed.status == 504
+    assert cluster.decode.cancelled() == [(1, 0, "decode-a")] and len(cluster.prefill.release.calls) == 1
+    assert sum(cluster.dispatcher.mux.residue().values()) == 0
+
+
+def test_a_request_that_fails_on_every_try_is_a_503_whose_detail_names_the_last_failure_for_the_log():
+    async def scenario():
+        cluster = FakeCluster(hand_off("prefill-a", "decode-a"))
+        cluster.prefill.handoff_for = lambda request, node: (_ for _ in ()).throw(RuntimeError("engine died"))
+        run_ = cluster.dispatcher.run(request())
+        with pytest.raises(RequestFailed) as failed:
+            await run_.start()
+        return cluster, run_, failed.value
+
+    cluster, run_, failed = run(scenario)
+    assert failed.status == 503 and run_.attempts == LIMITS.max_attempts
+    assert "engine died" in failed.detail and "engine died" not in failed.message  # the client sees no remote error
+    assert cluster.decode.started == []
+    assert sum(cluster.dispatcher.mux.residue().values()) == 0
