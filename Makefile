@@ -1,5 +1,5 @@
 # `make run` and `make test` are the two commands of the README; both set up .venv first.
-.PHONY: setup run run-emulated stop demo test bench lint
+.PHONY: setup run run-emulated stop demo test test-fast bench lint
 
 setup:
 	@bash scripts/setup.sh
@@ -19,6 +19,9 @@ demo: setup
 
 test: setup
 	.venv/bin/python -m pytest
+
+test-fast: setup  # the unit layer: no Ray cluster, no vLLM engine (tests/conftest.py)
+	.venv/bin/python -m pytest -m unit -q
 
 bench: setup
 	.venv/bin/python -m kairos_ray.bench.decision --decode-nodes 2 --json

@@ -1,5 +1,6 @@
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # Shared 2-core machines: never fail a property on wall-clock time.
@@ -11,3 +12,27 @@ os.environ["RAY_ADDRESS"] = "local"
 # Those clusters listen on loopback only, as `make run`'s: no Ray token (a ~/.ray/auth_token on the machine
 # would turn Ray's token auth on, and the dashboard's page would ask a browser for the token).
 os.environ["RAY_AUTH_MODE"] = "disabled"
+
+LAYERS = ("ray", "vllm")
+
+
+def pytest_collection_modifyitems(items):
+    """Every test not marked ``ray`` or ``vllm`` (by its module's ``pytestmark``) is a ``unit`` test."""
+    for item in items:
+        if not any(item.get_closest_marker(layer) for layer in LAYERS):
+            item.add_marker(pytest.mark.unit)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_ray(request, monkeypatch):
+    """A unit test that would start Ray fails at once, naming the layer its module belongs to."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+    import ray
+    import ray._private.worker
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("a unit test started Ray: mark its module pytestmark = pytest.mark.ray")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(ray._private.worker, "init", refuse)

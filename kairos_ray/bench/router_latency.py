@@ -41,8 +41,9 @@ from kairos_ray.core import DecodeNodeView, PrefillNodeView
 from kairos_ray.messages import DecisionRequest, NodeState, RoutingReply, WireAddress
 from kairos_ray.scenarios import prompt_tokens, random_view
 from kairos_ray.serve import use_cluster_env
-from kairos_ray.serve.router import Router, RouterOptions
+from kairos_ray.serve.router import Router
 from kairos_ray.serve.router_link import RouterLink
+from kairos_ray.serve.types import RouterOptions
 from kairos_ray.serve.wire import WireClient, WireServer
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 import secrets
-from typing import Any
+from typing import Any, cast
 
-from ray.serve import Application
+from ray.serve import Application, Deployment
 
 from kairos_ray.config import KairosConfig
 from kairos_ray.serve.args import AppArgs, PoolConfig
@@ -31,6 +31,11 @@ Why each, and what it saves: ``docs/live-path-performance.md``."""
 REQUEST_TIMEOUT_S = 1800.0
 """Serve's ``http_options.request_timeout_s`` in the shipped configs and local runs: the app ends what it can
 sooner (its own deadlines), and this bounds whatever it cannot (a stream that still runs after 30 minutes)."""
+
+
+def _deployment(cls: type) -> Deployment:
+    """A class ``@serve.deployment`` made a ``Deployment`` (Serve's decorator is not typed through)."""
+    return cast(Deployment, cls)
 
 
 def use_cluster_env() -> None:
@@ -95,7 +100,7 @@ def _pool(
     if pool.engine == "vllm" and pool.placement().gpu:  # vLLM's workers go into the GPU bundles, as Ray Serve LLM's
         pool = pool.model_copy(update={"engine_kwargs": {"distributed_executor_backend": "ray", **pool.engine_kwargs}})
     pool_args = pool.model_dump(mode="json", exclude_unset=True)
-    return EngineServer.options(**options).bind(role, kairos_args, serving, router, pool_args, app_secret)
+    return _deployment(EngineServer).options(**options).bind(role, kairos_args, serving, router, pool_args, app_secret)
 
 
 def build_app(args: AppArgs | dict[str, Any]) -> Application:
@@ -103,11 +108,13 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     args = AppArgs.model_validate(args) if isinstance(args, dict) else args
     kairos = args.kairos.model_dump(mode="json")
     serving = args.serving.model_dump(mode="json")
-    router = Router.bind(kairos, args.serving.router_options())
+    router = _deployment(Router).bind(kairos, args.serving.router_options())
     secret = secrets.token_bytes(32)  # this application's engines prove it to each other (KV channel pairs)
     decode = args.decode_config
     vllm = decode.engine == "vllm"  # the ingress renders prompts as the decode engines will see them
-    ingress = Ingress.options(**args.ingress_deployment_config) if args.ingress_deployment_config else Ingress
+    ingress = _deployment(Ingress)
+    if args.ingress_deployment_config:
+        ingress = ingress.options(**args.ingress_deployment_config)
     return ingress.bind(
         router,
         _pool("prefill", args.prefill_config, args.kairos, kairos, serving, router, secret),

@@ -53,7 +53,7 @@ from kairos_ray.config import KairosConfig
 from kairos_ray.core import parse_spec
 from kairos_ray.engines import ENGINES, EngineOptions
 from kairos_ray.serve.autoscaling import ScalingRule
-from kairos_ray.serve.router import RouterOptions
+from kairos_ray.serve.types import RouterOptions
 
 SHIPPED_MODELS = resources.files("kairos_ray") / "models"
 RULE = ScalingRule()
@@ -309,6 +309,7 @@ class PoolConfig(_Strict):
             engine = llm.get_engine_config()
         except ValueError as exc:  # pydantic's ValidationError included
             raise ValueError(f"Ray Serve LLM's LLMConfig refuses it: {exc}") from exc
+        assert llm.accelerator_config is not None and engine is not None, "LLMConfig fills both in"
         kind = llm.accelerator_config.kind
         if kind not in ("gpu", "cpu"):
             raise ValueError(f"accelerator_config: kind {kind!r}: Kairos-Ray runs vLLM on GPUs or CPUs")

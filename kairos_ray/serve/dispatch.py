@@ -206,9 +206,9 @@ class Dispatcher:
 
     def __init__(
         self,
-        router: DeploymentHandle,
-        prefill: DeploymentHandle,
-        decode: DeploymentHandle,
+        router: DeploymentHandle[Any],
+        prefill: DeploymentHandle[Any],
+        decode: DeploymentHandle[Any],
         limits: ServingLimits,
         metrics: IngressMetrics,
         listener: str,

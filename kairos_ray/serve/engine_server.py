@@ -44,12 +44,12 @@ HEALTH_CHECK_TIMEOUT_S = 20.0  # a replica that does not answer in time (its pro
 class EngineServer:
     """A node of the ``role`` pool."""
 
-    async def __init__(
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
         self,
         role: str,
         kairos: dict[str, Any],
         serving: dict[str, Any],
-        router: DeploymentHandle,
+        router: DeploymentHandle[Any],
         pool: dict[str, Any],
         app_secret: bytes = b"",
     ) -> None:

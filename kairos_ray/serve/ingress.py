@@ -99,9 +99,9 @@ def _failed(future: asyncio.Future[Any]) -> bool:
 class Ingress:
     def __init__(
         self,
-        router: DeploymentHandle,
-        prefill: DeploymentHandle,
-        decode: DeploymentHandle,
+        router: DeploymentHandle[Any],
+        prefill: DeploymentHandle[Any],
+        decode: DeploymentHandle[Any],
         model_id: str,
         serving: dict[str, Any],
         model_source: str | None = None,

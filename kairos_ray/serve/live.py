@@ -150,7 +150,7 @@ class IngressWindow:
         )
 
 
-async def live_state(router: DeploymentHandle, window: IngressWindow) -> dict[str, Any]:
+async def live_state(router: DeploymentHandle[Any], window: IngressWindow) -> dict[str, Any]:
     """The ``LiveState`` as JSON: the router's part (``Router.live``, within ``LIVE_TIMEOUT_S``) and ``window``'s."""
     part: RouterLive = await asyncio.wait_for(router.live.remote(), LIVE_TIMEOUT_S)
     return dataclasses.asdict(LiveState(time.time(), part, window.live(time.monotonic())))

@@ -68,6 +68,7 @@ from kairos_ray.heap import freeze_startup_heap
 from kairos_ray.messages import DecisionRequest, NodeState, PrefixDelta, Residue, RouterLive, RoutingReply, WireAddress
 from kairos_ray.serve.metrics import RouterMetrics
 from kairos_ray.serve.refit import OnlineRefit
+from kairos_ray.serve.types import LineOff, RouterOptions
 from kairos_ray.serve.wire import WireServer
 
 logger = logging.getLogger("ray.serve")
@@ -82,10 +83,6 @@ class MissingState(RuntimeError):
     """Some node has not reported yet; the caller falls back to plain disaggregation."""
 
 
-class LineOff(RuntimeError):
-    """The router takes Ray actor calls only (``serving.router_tcp: false``)."""
-
-
 @dataclass(frozen=True, slots=True)
 class _Pending:
     """A decision no engine (or, for a prefill-routed one's hand-off, no decode node) has acknowledged yet."""
@@ -94,18 +91,6 @@ class _Pending:
     output_tokens: int
     decision: Decision
     decided_s: float  # monotonic
-
-
-@dataclass(frozen=True)
-class RouterOptions:
-    """What the router takes from the app's ``serving`` section (``ServingConfig.router_options``)."""
-
-    refit_every_steps: int = 0
-    """Refit the step-latency model every N reported steps (0: never)."""
-    handoff_ttl_s: float = 30.0
-    """Count a prefill-routed request on its decode node until that node takes it, or this long."""
-    tcp_line: bool = True
-    """Take decisions and reports on a TCP line (``serve.wire``) besides Ray actor calls."""
 
 
 class RouterState:
@@ -265,7 +250,8 @@ class RouterState:
         if self._view is None:
             self._view, self._stale = ClusterView((), ()), set(self.states)
         if self._stale:
-            views = {view.node_id: view for view in (*self._view.prefill, *self._view.decode)}
+            views: dict[str, PrefillNodeView | DecodeNodeView] = {view.node_id: view for view in self._view.prefill}
+            views.update((view.node_id, view) for view in self._view.decode)
             views.update((node, self._node_view(node)) for node in self._stale if node in self.states)
             ordered = [views[node] for node in sorted(self.states)]
             self._view = ClusterView(
@@ -465,8 +451,9 @@ class Router:
     methods below forward to the actor for tools and tests.
     """
 
-    async def __init__(self, kairos: dict[str, Any], options: RouterOptions) -> None:
-        actor = ray.remote(num_cpus=0, max_restarts=0)(RouterActor)
+    async def __init__(self, kairos: dict[str, Any], options: RouterOptions) -> None:  # type: ignore[misc]
+        """Serve awaits an async constructor: the replica is ready once its actor answers."""
+        actor: Any = ray.remote(num_cpus=0, max_restarts=0)(RouterActor)  # an actor class, untyped by Ray
         self.actor = actor.options(name=f"kairos-router-{uuid.uuid4().hex[:8]}").remote(kairos, options)
         await self.actor.ping.remote()  # the replica is ready once its actor is (its process started, config loaded)
 

@@ -30,7 +30,7 @@ from ray import ObjectRef
 from ray.serve.handle import DeploymentHandle
 
 from kairos_ray.messages import DecisionRequest, NodeState, RoutingReply, WireAddress
-from kairos_ray.serve.router import LineOff
+from kairos_ray.serve.types import LineOff
 from kairos_ray.serve.wire import Answered, WireClient
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ CONNECT_TIMEOUT_S = 5.0  # how long opening the actor's TCP line may take before
 class RouterLink:
     """The ``RouterActor``'s handle for one process, with what to do when it fails."""
 
-    def __init__(self, router: DeploymentHandle, fetch_timeout_s: float = FETCH_TIMEOUT_S) -> None:
+    def __init__(self, router: DeploymentHandle[Any], fetch_timeout_s: float = FETCH_TIMEOUT_S) -> None:
         self.router = router
         self.fetch_timeout_s = fetch_timeout_s
         self._actor: RouterHandle | None = None

@@ -30,13 +30,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pydantic import ValidationError
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.serve import create_error_response
 from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 from vllm.exceptions import VLLMValidationError
 
 from kairos_ray.serve.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
     OpenAIRequest,
     PreparedRequest,
     RequestError,
@@ -95,7 +95,7 @@ def _emulated_prompt(request: OpenAIRequest) -> tuple[int, str, tuple[int, ...]]
             if isinstance(content, str):
                 count += _words(content)
             elif isinstance(content, list):
-                count += sum(_words(str(part.get("text", ""))) for part in content)
+                count += sum(_words(str(part.get("text", ""))) for part in content if isinstance(part, dict))
             count += TEMPLATE_TOKENS_PER_MESSAGE
         return count, "", ()
     prompt = request.prompt

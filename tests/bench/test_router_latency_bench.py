@@ -4,6 +4,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.ray
+
 
 def test_router_latency_bench_prints_latency_and_ceilings():
     result = subprocess.run(

@@ -14,6 +14,8 @@ from kairos_ray.bench.chaos import streamed_answer
 from kairos_ray.bench.soak import MIB, Found, Sample, Samples, Tally, Tracker, arrivals, growth, process_rows
 from tests.test_cli import kairos
 
+pytestmark = pytest.mark.ray
+
 HOUR_S = 3600.0
 
 

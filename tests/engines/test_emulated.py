@@ -19,6 +19,8 @@ from kairos_ray.engines import EngineOptions, NodeSpec, build_engine
 from kairos_ray.engines.emulated import BLOCK_TOKENS, EmulatedEngine, token_id
 from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role
 
+pytestmark = pytest.mark.ray
+
 PROFILE = str(resolve_profile("a100-deepseek-v2-lite"))
 HARDWARE = ClusterHardware.from_profile(PROFILE)
 KV_SCALE = 1000

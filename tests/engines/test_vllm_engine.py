@@ -21,6 +21,8 @@ from kairos_ray.kv.channel import ChannelTicket, KVChannel
 from kairos_ray.messages import EngineRequest, KVHandoff, Role
 from tests.engines.tiny import GREEDY, PROMPTS, TINY_KWARGS, node_pair
 
+pytestmark = [pytest.mark.ray, pytest.mark.vllm]
+
 OUTPUT = 16
 KV_TIMEOUT_S = 5.0
 MODEL = KairosConfig.model_validate({"predictor": {"profile": "cpu-tiny-llama"}}).predictor.load()

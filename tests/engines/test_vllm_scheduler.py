@@ -9,6 +9,8 @@ from kairos_ray.engines.vllm_args import GUARD_KEY, guard_spec
 from kairos_ray.engines.vllm_scheduler import CHUNK_LOG_REQUESTS, ChunkScheduleScheduler, next_chunk
 from tests.engines.tiny import GREEDY, PROMPTS, engine
 
+pytestmark = pytest.mark.vllm
+
 # 10 ms a step plus 0.1 ms a prefill token, against a 16.5 ms budget: beside a decode batch at most 64-token chunks
 TIGHT_GUARD = guard_spec(StepLatencyModel(0.01, 0, 0, 1e-4, 0, 0), (256, 128, 64), 0.0165)
 # Each prefill token also costs 0.1 us per token of its request's prefix, against 36.5 ms: 256 fits a first chunk

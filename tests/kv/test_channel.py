@@ -28,6 +28,8 @@ import torch.distributed as dist
 from kairos_ray.kv.channel import NCCL_ERRORS_RAISE, ChannelError, KVChannel, raise_nccl_errors
 from tests.kv.guarded_handoffs import HAND_OFFS
 
+pytestmark = pytest.mark.ray
+
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parents[2]
 SECRET = b"this application's secret"

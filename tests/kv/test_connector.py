@@ -14,6 +14,8 @@ import torch
 from kairos_ray.kv.staging import rank_path
 from tests.engines.tiny import GREEDY, PROMPTS, engine, kv_config
 
+pytestmark = pytest.mark.vllm
+
 OUTPUT = 16
 
 

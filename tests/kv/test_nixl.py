@@ -10,6 +10,8 @@ from kairos_ray.bench.local import free_port
 from tests.engines.test_vllm_engine import OUTPUT, plain_tokens, request, tokens
 from tests.engines.tiny import PROMPTS, TINY_KWARGS, node_pair
 
+pytestmark = pytest.mark.vllm
+
 pytest.importorskip("nixl", reason="the NixlConnector needs the nixl package")
 
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}

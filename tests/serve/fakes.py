@@ -22,7 +22,7 @@ from kairos_ray.core import Decision, Route
 from kairos_ray.messages import DecisionRequest, EngineRequest, KVHandoff, RoutingReply, TokenBatch, TokenEvent
 from kairos_ray.serve.dispatch import Dispatcher, ServingLimits
 from kairos_ray.serve.metrics import IngressMetrics
-from kairos_ray.serve.router import LineOff
+from kairos_ray.serve.types import LineOff
 
 LIMITS = ServingLimits(
     decision_timeout_s=5.0, first_token_timeout_s=5.0, token_stall_timeout_s=5.0, max_attempts=3, max_migrations=2

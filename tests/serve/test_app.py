@@ -22,6 +22,8 @@ from kairos_ray.serve import build_app
 
 from .conftest import MODEL, app_args, dashboard_series, wait_for_prefix, wait_for_series
 
+pytestmark = pytest.mark.ray
+
 
 def completion(url, **body):
     return httpx.post(f"{url}/v1/completions", json={"model": MODEL, **body}, timeout=120)

@@ -18,6 +18,8 @@ from kairos_ray.serve.autoscaling import KV_FREE_SHARE, PREFILL_WAIT, TBT_HEADRO
 
 from .conftest import MODEL, app_args
 
+pytestmark = pytest.mark.ray
+
 PREFILL = KairosPoolPolicy(
     "prefill", ttft_slo_s=4.0, wait_share=0.5, quiet_share=0.1, upscale_after_s=5, downscale_after_s=30, cooldown_s=30
 )

@@ -27,6 +27,8 @@ from kairos_ray.messages import LiveState, Role
 
 from .conftest import MODEL, app_args, running_app
 
+pytestmark = pytest.mark.ray
+
 BIN = Path(sys.executable).parent
 DEPLOYMENTS = {"Ingress": 1, "Router": 1, "prefill": 2, "decode": 2}  # name -> replicas
 CHROMIUM = next((shutil.which(name) for name in ("chromium", "chromium-browser") if shutil.which(name)), None)

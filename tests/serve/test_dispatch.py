@@ -4,7 +4,8 @@ import asyncio
 
 import pytest
 
-from kairos_ray.serve.dispatch import RequestFailed, ServingLimits, StreamBroken
+from kairos_ray.messages import DecisionRequest, RoutingReply
+from kairos_ray.serve.dispatch import DecisionBatcher, RequestFailed, ServingLimits, StreamBroken, migration_blocker
 from tests.serve.fakes import LIMITS, FakeCluster, deflect_to, hand_off, request, until
 
 
@@ -187,3 +188,77 @@ def test_a_request_that_fails_on_every_try_is_a_503_whose_detail_names_the_last_
     assert "engine died" in failed.detail and "engine died" not in failed.message  # the client sees no remote error
     assert cluster.decode.started == []
     assert sum(cluster.dispatcher.mux.residue().values()) == 0
+
+
+class Link:
+    """A router link that records each call's batch and answers when the test says."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list, object]] = []
+
+    def decide_then(self, requests, answered, timeout_s):
+        self.calls.append((requests, answered))
+
+    def answer(self, i: int, failure: BaseException | None = None) -> None:
+        requests, answered = self.calls[i]
+        replies = None if failure else [RoutingReply(deflect_to("decode-a")(r), 0.0, 0.0) for r in requests]
+        answered(replies, failure)
+
+
+def test_a_ticks_first_decision_goes_at_once_and_the_rest_of_the_tick_together_at_its_end():
+    async def scenario():
+        link = Link()
+        batcher = DecisionBatcher(link, timeout_s=5.0)
+        asks = [asyncio.ensure_future(batcher.decide(DecisionRequest(i, 100, 4))) for i in range(4)]
+        await asyncio.sleep(0)  # the four run in one tick
+        sizes_in_tick = [len(r) for r, _ in link.calls]
+        await asyncio.sleep(0)  # the tick is over
+        sizes = [len(r) for r, _ in link.calls]
+        link.answer(0)
+        link.answer(1)
+        replies = await asyncio.gather(*asks)
+        return sizes_in_tick, sizes, replies
+
+    in_tick, sizes, replies = run(scenario)
+    assert in_tick == [1] and sizes == [1, 3]  # at most two calls per tick, none waiting to batch
+    assert [r.decision.decode_node for r in replies] == ["decode-a"] * 4
+
+
+def test_a_failed_call_fails_each_of_its_callers_and_skips_those_who_gave_up():
+    async def scenario():
+        link = Link()
+        batcher = DecisionBatcher(link, timeout_s=5.0)
+        first = asyncio.ensure_future(batcher.decide(DecisionRequest(1, 100, 4)))
+        gone = asyncio.ensure_future(batcher.decide(DecisionRequest(2, 100, 4)))
+        waiting = asyncio.ensure_future(batcher.decide(DecisionRequest(3, 100, 4)))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        gone.cancel()  # its deadline passed
+        await asyncio.sleep(0)
+        link.answer(1, TimeoutError("the router did not answer"))
+        link.answer(0)
+        results = await asyncio.gather(first, waiting, return_exceptions=True)
+        return results, batcher.waiting
+
+    (first, waiting), left = run(scenario)
+    assert first.decision.decode_node == "decode-a" and isinstance(waiting, TimeoutError) and left == []
+
+
+@pytest.mark.parametrize(
+    "fields, blocker",
+    [
+        ({}, ""),
+        ({"temperature": 0.8, "top_p": 0.9, "logit_bias": {3: 1.0}, "repetition_penalty": 1.2}, ""),
+        ({"seed": 3, "temperature": 0.0}, ""),  # greedy: the seed draws nothing
+        ({"seed": 3, "temperature": 1.0}, "a seed"),
+        ({"presence_penalty": 0.5}, "presence/frequency penalties"),
+        ({"stop": ["end"]}, "stop strings"),
+        ({"bad_words": ["no"]}, "bad words"),
+    ],
+)
+def test_a_request_migrates_only_when_its_sampling_carries_over_exactly(fields, blocker):
+    from vllm import SamplingParams
+
+    found = migration_blocker(SamplingParams(**fields))
+    assert found.startswith(blocker) and bool(found) is bool(blocker)
+    assert migration_blocker(None) == ""  # emulated engines: nothing to carry

@@ -28,6 +28,8 @@ from kairos_ray.serve import build_app
 
 from .conftest import MODEL, app_args, running_app, wait_for_no_residue
 
+pytestmark = pytest.mark.ray
+
 KEY = "sk-kairos-test"  # a tenant's key on the secured app
 ADMIN = "sk-kairos-admin"  # its operator's
 LIMITS = {

@@ -35,6 +35,8 @@ from tests.engines.tiny import TINY_KWARGS
 
 from .conftest import dashboard_series, running_app, wait_for_series
 
+pytestmark = [pytest.mark.ray, pytest.mark.vllm]
+
 CONFIG = Path(__file__).parent / "configs" / "ray_pd_nixl.yaml"
 RAY_BUILDER = "ray.serve.llm:build_pd_openai_app"
 KAIROS_BUILDER = "kairos_ray.serve:build_app"

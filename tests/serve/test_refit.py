@@ -60,7 +60,8 @@ def test_the_router_adopts_a_refit_into_its_policy_keeping_the_configs_knobs():
     from kairos_ray.config import KairosConfig
     from kairos_ray.core import DecodeNodeView
     from kairos_ray.messages import NodeState
-    from kairos_ray.serve.router import RouterActor, RouterOptions
+    from kairos_ray.serve.router import RouterActor
+    from kairos_ray.serve.types import RouterOptions
 
     router = RouterActor(KairosConfig().model_dump(mode="json"), RouterOptions(refit_every_steps=300))
     before = router.state.policy

@@ -12,9 +12,12 @@ from kairos_ray.bench.local import local_serve
 from kairos_ray.bench.router_latency import node_states
 from kairos_ray.config import KairosConfig
 from kairos_ray.messages import DecisionRequest
-from kairos_ray.serve.router import Router, RouterOptions
+from kairos_ray.serve.router import Router
 from kairos_ray.serve.router_link import RouterLink
+from kairos_ray.serve.types import RouterOptions
 from kairos_ray.serve.wire import WireClosed
+
+pytestmark = pytest.mark.ray
 
 
 async def decided_once_reported(link, request_id, within_s=90.0):

@@ -44,6 +44,8 @@ from kairos_ray.serve.args import AppArgs
 from tests.serve.conftest import running_app, wait_for_no_residue
 from tests.serve.test_args import args_of
 
+pytestmark = [pytest.mark.ray, pytest.mark.vllm]
+
 MODEL = "tiny-llama"
 SHORT, LONG = 120, 300  # prompt words: deflected (241 tokens, <= 400) and disaggregated (601 tokens)
 CONTEXT = 1024

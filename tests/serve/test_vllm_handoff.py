@@ -14,6 +14,8 @@ from tests.serve.conftest import running_app
 from tests.serve.test_args import args_of
 from tests.serve.test_vllm_prefix import MODEL, completion, next_turn
 
+pytestmark = [pytest.mark.ray, pytest.mark.vllm]
+
 
 @pytest.fixture(scope="module")
 def pd_app():

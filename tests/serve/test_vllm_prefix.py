@@ -17,6 +17,8 @@ import pytest
 from tests.serve.conftest import running_app, wait_for_prefix
 from tests.serve.test_args import args_of
 
+pytestmark = [pytest.mark.ray, pytest.mark.vllm]
+
 MODEL = "tiny-llama"
 BLOCK_TOKENS = 128  # vLLM's block size on the CPU
 VOCAB = 1024  # the tiny model's
