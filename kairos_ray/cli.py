@@ -98,8 +98,11 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from tqdm import tqdm
 
+    from kairos_ray.core import AdmissionMode
     from kairos_ray.sim.run import SimSetup, check_specs, sweep, write_outputs
     from kairos_ray.workloads.synthetic import synthetic
     from kairos_ray.workloads.traces import load_trace
@@ -107,6 +110,9 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     specs = [s.strip() for s in args.policies.split(",") if s.strip()]
     check_specs(specs)
     setup = SimSetup.from_config(_config(args.config), args.profile, args.prefill, args.decode, args.seed)
+    if args.admission:
+        setup = setup.with_admission(AdmissionMode(args.admission))
+    setup = replace(setup, probe_every=args.probe_shed)
     if args.trace:
         trace = load_trace(args.trace).clipped_to_context(setup.hardware.context_tokens)
         if trace.clipped:
@@ -117,16 +123,22 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     else:
         rates = args.rps or [2.0, 4.0, 6.0, 8.0, 10.0, 12.0]
         runs = [(rps, synthetic(args.workload, rps, args.requests, args.seed)) for rps in rates]
+    if args.priorities:
+        runs = [(rps, workload.with_priorities(args.priorities, args.seed)) for rps, workload in runs]
     total = len(specs) * sum(len(w) for _, w in runs)
     with tqdm(total=total, unit="req", desc="simulating", disable=None) as bar:
         summary, rows, _ = sweep(setup, specs, runs, bar.update)
     out = Path(args.out)
     written = write_outputs(out, summary, rows, setup.config.slo, plots=not args.no_plots)
-    print(f"{'policy':<10} {'rps':>6} {'P95 TTFT':>9} {'P95 TBT':>8} {'TBT viol':>8} {'SLO att':>8} {'deflected':>9}")
+    print(
+        f"{'policy':<10} {'rps':>6} {'P95 TTFT':>9} {'P95 TBT':>8} {'TBT viol':>8} {'SLO att':>8} {'deflected':>9} "
+        f"{'shed':>6} {'goodput':>8}"
+    )
     for row in summary:
         print(
             f"{row['policy']:<10} {row['rps']:>6.2f} {row['p95_ttft_s']:>8.2f}s {1000 * row['p95_tbt_s']:>6.1f}ms "
-            f"{row['tbt_violation_pct']:>7.2f}% {row['slo_attainment_pct']:>7.1f}% {row['deflections']:>9}"
+            f"{row['tbt_violation_pct']:>7.2f}% {row['slo_attainment_pct']:>7.1f}% {row['deflections']:>9} "
+            f"{row['shed_pct']:>5.1f}% {row['goodput_rps']:>8.2f}"
         )
     print(f"wrote {', '.join(str(p) for p in written)}")
     return 0
@@ -136,6 +148,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     import asyncio
 
     import httpx
+    import numpy as np
     from tqdm import tqdm
 
     from kairos_ray.bench.loadgen import replay, served_model
@@ -153,13 +166,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             workload = workload.head(args.requests)
     else:
         workload = synthetic(args.workload, (args.rps or [2.0])[0], args.requests or 200, args.seed, args.context)
+    if args.priorities:
+        workload = workload.with_priorities(args.priorities, args.seed)
     url = args.url.rstrip("/")
     try:
         model = args.model or asyncio.run(served_model(url))
     except httpx.HTTPError as exc:
         raise ValueError(f"cannot reach {url}: {exc}") from None
     with tqdm(total=len(workload), unit="req", desc=f"replaying at {workload.rate_rps:.2f} req/s", disable=None) as bar:
-        result = asyncio.run(replay(url, model, workload, args.timeout, bar.update))
+        result = asyncio.run(replay(url, model, workload, args.timeout, bar.update, args.retry_shed))
     rps = round(workload.rate_rps, 3)
     row = summarize(result.records, slo, args.label, rps, failed=len(result.failures))
     out = Path(args.out)
@@ -176,12 +191,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if result.behind:
         print("warning: the load generator fell behind the schedule by more than 2 %: this machine is too busy to "
               "replay this workload at this rate; the figures describe a lighter load", file=sys.stderr)  # fmt: skip
+    shed = sum(r.shed for r in result.records)
     print(
-        f"{len(result.records)} of {len(workload)} requests served in {result.wall_s:.1f} s "
-        f"({len(result.failures)} failed); P50/P95 TTFT {row['p50_ttft_s']:.3f}/{row['p95_ttft_s']:.3f} s, "
+        f"{len(result.records) - shed} of {len(workload)} requests served in {result.wall_s:.1f} s "
+        f"({shed} shed, {len(result.failures)} failed); "
+        f"P50/P95 TTFT {row['p50_ttft_s']:.3f}/{row['p95_ttft_s']:.3f} s, "
         f"P95 TBT {1000 * row['p95_tbt_s']:.1f} ms, {row['tbt_violation_pct']:.2f} % TBT violations, "
-        f"SLO attainment {row['slo_attainment_pct']:.1f} %, {row['deflections']} deflected"
+        f"SLO attainment {row['slo_attainment_pct']:.1f} % ({row['admitted_slo_attainment_pct']:.1f} % of those "
+        f"admitted), goodput {row['goodput_rps']:.2f} req/s, {row['deflections']} deflected"
     )
+    answers = [r.shed_answer_s for r in result.records if r.shed]
+    if answers:
+        p50, p99 = np.percentile(answers, [50, 99])
+        print(f"shed requests answered (429) in P50 {1e3 * p50:.1f} ms, P99 {1e3 * p99:.1f} ms (last try)")
     if written:
         print(f"wrote {', '.join(str(p) for p in written)}")
     if args.compare_sim:
@@ -258,12 +280,30 @@ def _numbers(kind: Callable[[str], T]) -> Callable[[str], list[T]]:
     return lambda text: [kind(part) for part in text.split(",") if part.strip()]
 
 
+def _shares(text: str) -> dict[int, float]:
+    """``CLASS:WEIGHT,...`` -> {class: weight}."""
+    shares = {}
+    for part in text.split(","):
+        name, sep, weight = part.partition(":")
+        if not sep:
+            raise ValueError(text)
+        shares[int(name)] = float(weight)
+    return shares
+
+
 _positive_int = _arg_type(int, lambda v: v >= 1, "an integer", "must be >= 1")
+_non_negative_int = _arg_type(int, lambda v: v >= 0, "an integer", "must be >= 0")
 _positive_float = _arg_type(float, lambda v: v > 0, "a number", "must be > 0")
 _non_negative_float = _arg_type(float, lambda v: v >= 0, "a number", "must be >= 0")
 _fraction = _arg_type(float, lambda v: 0.0 < v < 1.0, "a number", "must be between 0 and 1")
 _rates = _arg_type(
     _numbers(float), lambda v: bool(v) and min(v) > 0, "a comma-separated list of rates", "rates must be > 0 requests/s"
+)
+_priority_shares = _arg_type(
+    _shares,
+    lambda v: bool(v) and min(v.values()) >= 0 and sum(v.values()) > 0,
+    "a comma-separated list of PRIORITY:WEIGHT",
+    "weights must be >= 0, not all 0",
 )
 _ints = _arg_type(
     _numbers(int), lambda v: bool(v) and min(v) >= 0, "a comma-separated list of integers", "values must be >= 0"
@@ -338,7 +378,25 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--decode", type=_positive_int, default=2, metavar="N", help="decode nodes (2)")
     sim.add_argument("--profile", metavar="FILE", help="step-latency profile (default: the config's)")
     sim.add_argument("--no-plots", action="store_true", help="write the CSVs only, no PNG plots")
-    _add_run_options(sim, "SLOs, policy knobs", "workloads and step noise", "sim-out")
+    sim.add_argument(
+        "--admission",
+        choices=("off", "shed"),
+        help="shed what no route serves within the TTFT objective, and protect decode steps (default: the config's)",
+    )
+    sim.add_argument(
+        "--priorities",
+        type=_priority_shares,
+        metavar="P:W,...",
+        help="give requests vLLM priorities at random in these proportions, e.g. 0:1,1:3 (lower is more important)",
+    )
+    sim.add_argument(
+        "--probe-shed",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="replay every N-th shed request admitted, to report how many would have met the SLO (0: none)",
+    )
+    _add_run_options(sim, "SLOs, policy knobs, admission", "workloads, priorities and step noise", "sim-out")
     sim.set_defaults(func=_cmd_sim)
 
     bench = commands.add_parser(
@@ -356,6 +414,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--context", type=_positive_int, default=32_768, help="clip lengths to this context (32768)")
     bench.add_argument("--label", default="live", help="policy column of the summary (%(default)s)")
     bench.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds (600)")
+    bench.add_argument(
+        "--retry-shed",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="send a request the server shed (429, x-kairos-shed) again after its Retry-After, up to N times "
+        "(0: count it as shed at once)",
+    )
+    bench.add_argument(
+        "--priorities",
+        type=_priority_shares,
+        metavar="P:W,...",
+        help="give requests vLLM priorities at random in these proportions, e.g. 0:1,1:3 (lower is more important)",
+    )
     bench.add_argument(
         "--compare-sim",
         action="store_true",

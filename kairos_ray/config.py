@@ -1,5 +1,8 @@
 """Configuration: one pydantic model tree for the simulator, the CLI and the Serve app.
 
+``admission`` turns on SLO-aware admission and decode-side protection
+(``core.admission``); it is off by default, the paper's behaviour.
+
 Every section forbids unknown keys, so a typo fails loudly. Invalid values fail
 with a message that names the field and quotes the value (``format_errors``).
 The tree turns into the core's plain ``PolicyParams`` and a ready ``Policy``
@@ -15,14 +18,25 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kairos_ray.core import Policy, PolicyParams, StepLatency, StepLatencyModel, Thresholds, make_policy, parse_spec
+from kairos_ray.core import (
+    AdmissionMode,
+    AdmissionParams,
+    Policy,
+    PolicyParams,
+    StepLatency,
+    StepLatencyModel,
+    Thresholds,
+    make_policy,
+    parse_spec,
+)
 from kairos_ray.core.estimate import PrefillEstimatorName
 from kairos_ray.emulation import ClusterHardware
 
 DEFAULT_PARAMS = PolicyParams()
 DEFAULT_THRESHOLDS = Thresholds()
+DEFAULT_ADMISSION = AdmissionParams()
 SHIPPED_PROFILES = resources.files("kairos_ray") / "profiles"
 
 
@@ -96,6 +110,13 @@ class PolicyConfig(_Section):
         "to has the fewest tokens on its link, each transfer counting this many more (default: from the predictor "
         "profile's cluster section, setup s x link bytes/s / KV bytes per token)",
     )
+    handoff_tokens_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="KV tokens a decode node's link carries per second: with admission on, a hand-off's estimated "
+        "TTFT includes its transfer behind those bound there (default: from the predictor profile's cluster section, "
+        "link bytes/s / KV bytes per token)",
+    )
     prefix_aware: bool = Field(
         DEFAULT_PARAMS.prefix_aware,
         description="price each node's uncached prompt suffix from the cached context, given the prefix hits the "
@@ -119,6 +140,70 @@ class PolicyConfig(_Section):
         if any(a <= b for a, b in itertools.pairwise(value)):
             raise ValueError(f"chunk_candidates must be strictly decreasing, got {list(value)}")
         return value
+
+
+class AdmissionConfig(_Section):
+    """SLO-aware admission: shed at once what no route can serve within the TTFT objective, ordered by priority,
+    and keep every decode step of admitted requests within beta * tbt_s (``core.admission``)."""
+
+    mode: AdmissionMode = Field(
+        DEFAULT_ADMISSION.mode,
+        description="'off' (admit everything: the paper's behaviour) or 'shed' (admission and decode-side protection)",
+    )
+    slack: float = Field(
+        DEFAULT_ADMISSION.slack,
+        gt=0,
+        description="admit while the best route's estimated TTFT is within slack x slo.ttft_s",
+    )
+    priority_reserve: float = Field(
+        DEFAULT_ADMISSION.priority_reserve,
+        ge=0,
+        lt=1,
+        description="each priority level above 0 (less important, as in vLLM) is admitted only up to (1 - this) of "
+        "the threshold of the level above it: the rest is kept for the more important ones",
+    )
+    never_shed_priorities: tuple[int, ...] = Field(
+        (), description="priority classes that are never shed: their requests queue instead"
+    )
+    kv_wait_max_s: float = Field(
+        DEFAULT_ADMISSION.kv_wait_max_s,
+        gt=0,
+        description="longest a hand-off's KV waits on its prefill node for a decode node that can take it within "
+        "beta x tbt_s; then it waits in that decode node's queue",
+    )
+    retry_after_min_s: float = Field(
+        DEFAULT_ADMISSION.retry_after_min_s, ge=0, description="floor of a shed request's Retry-After, seconds"
+    )
+    retry_after_max_s: float = Field(
+        DEFAULT_ADMISSION.retry_after_max_s, gt=0, description="cap of a shed request's Retry-After, seconds"
+    )
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _bare_off(cls, value: object) -> object:
+        return AdmissionMode.OFF if value is False else value  # YAML reads a bare off as false
+
+    @model_validator(mode="after")
+    def _floor_below_cap(self) -> AdmissionConfig:
+        if self.retry_after_min_s > self.retry_after_max_s:
+            raise ValueError(
+                f"retry_after_min_s ({self.retry_after_min_s}) must not exceed retry_after_max_s "
+                f"({self.retry_after_max_s})"
+            )
+        return self
+
+    def params(self, ttft_slo_s: float) -> AdmissionParams:
+        """The core's admission knobs, judging against the TTFT objective ``ttft_slo_s``."""
+        return AdmissionParams(
+            mode=self.mode,
+            ttft_slo_s=ttft_slo_s,
+            slack=self.slack,
+            priority_reserve=self.priority_reserve,
+            never_shed_priorities=frozenset(self.never_shed_priorities),
+            kv_wait_max_s=self.kv_wait_max_s,
+            retry_after_min_s=self.retry_after_min_s,
+            retry_after_max_s=self.retry_after_max_s,
+        )
 
 
 class PredictorConfig(_Section):
@@ -147,16 +232,20 @@ class KairosConfig(_Section):
     slo: SLOConfig = SLOConfig()
     policy: PolicyConfig = PolicyConfig()
     predictor: PredictorConfig = PredictorConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     prefill_chunk_tokens: int = Field(
         DEFAULT_PARAMS.prefill_chunk_tokens, ge=1, description="chunk size chi_p of the prefill nodes"
     )
 
     def policy_params(self, hardware: ClusterHardware | None = None) -> PolicyParams:
-        """The policies' knobs; a hand-off's setup from ``hardware`` (default: the predictor profile's) unless set."""
+        """The policies' knobs; a hand-off's setup and link rate from ``hardware`` (default: the predictor
+        profile's) unless set."""
         p = self.policy
-        setup = p.handoff_setup_tokens
-        if setup is None:
-            setup = (hardware or self.predictor.hardware()).setup_tokens
+        setup, rate = p.handoff_setup_tokens, p.handoff_tokens_per_s
+        if setup is None or rate is None:
+            hardware = hardware or self.predictor.hardware()
+            setup = hardware.setup_tokens if setup is None else setup
+            rate = hardware.link_tokens_per_s if rate is None else rate
         return PolicyParams(
             prefill_chunk_tokens=self.prefill_chunk_tokens,
             chunk_candidates=p.chunk_candidates,
@@ -167,6 +256,8 @@ class KairosConfig(_Section):
             static_chunk_tokens=p.static_chunk_tokens,
             prefix_aware=p.prefix_aware,
             handoff_setup_tokens=setup,
+            handoff_tokens_per_s=rate,
+            admission=self.admission.params(self.slo.ttft_s),
         )
 
     def thresholds(self) -> Thresholds:

@@ -68,6 +68,11 @@ class ClusterHardware:
         return self.kv_link_setup_s + prompt_tokens * self.kv_bytes_per_token / (self.kv_link_gbytes_per_s * 1e9)
 
     @property
+    def link_tokens_per_s(self) -> float:
+        """KV tokens one link carries per second (``PolicyParams.handoff_tokens_per_s``)."""
+        return self.kv_link_gbytes_per_s * 1e9 / self.kv_bytes_per_token
+
+    @property
     def setup_tokens(self) -> int:
         """A transfer's setup, in the KV tokens its link carries meanwhile (``PolicyParams.handoff_setup_tokens``)."""
         return round(self.kv_link_setup_s * self.kv_link_gbytes_per_s * 1e9 / self.kv_bytes_per_token)

@@ -41,6 +41,34 @@ class Role(StrEnum):
     DECODE = "decode"  # decodes; prefills deflected prompts in place, in chunks
 
 
+SHED_HEADER = "x-kairos-shed"
+"""The header of a 429 that admission shed (``core.admission``), naming its reason: clients and ``kairos bench`` tell
+it from other refusals by it."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeId:
+    """A node's id, ``<role>-<Serve replica unique id>``: built and read here alone (it travels as its string).
+
+    The role names the pool, not its deployment (a pool may name its deployment otherwise:
+    ``deployment_config.name``); the replica id is what Serve routes a call to (``serve.delivery``).
+    """
+
+    role: Role
+    replica: str  # Serve's unique id of the node's replica (letters and digits)
+
+    def __str__(self) -> str:
+        return f"{self.role.value}-{self.replica}"
+
+    @classmethod
+    def parse(cls, node_id: str) -> NodeId:
+        """The id a string names; ``ValueError`` for a string that is no node id."""
+        role, _, replica = node_id.partition("-")
+        if role not in Role.__members__.values() or not replica.isalnum():
+            raise ValueError(f"{node_id!r} is no node id (<role>-<replica id>)")
+        return cls(Role(role), replica)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
     """One request as the ingress hands it to an engine node."""
@@ -185,6 +213,8 @@ class DecisionRequest:
     # block size -> the prompt's chained block hashes as vLLM's KV events name them (``core.prefix.block_ids``),
     # for the block sizes the router asked for (``RoutingReply.block_tokens``); empty: no prefix identity
     block_ids: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    priority: int = 0  # vLLM's request priority (lower is more important): admission sheds the least important first
+    sheddable: bool = True  # False for a retry or a migration of an admitted request: routed, never shed
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +289,9 @@ class ServiceLive:
     # the router's decisions as this ingress waited for them, from asking to the reply (None without any)
     p50_router_call_s: float | None = None
     p99_router_call_s: float | None = None
+    shed: Mapping[str, int] = field(default_factory=dict)  # requests admission shed (429) by reason
+    shed_by_priority: Mapping[str, int] = field(default_factory=dict)  # the same by priority class
+    goodput_rps: float = 0.0  # requests that ended within their TTFT and TBT objectives, per second of the window
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,12 @@ idle), the driver lets the step's time pass (a heap event, or a sleep), then
   ``guard`` re-checks each planned chunk against the batch of the moment
   (``core.sweep.largest_safe_chunk``). A job bound for the node (``assign``:
   from the router's decision in the simulator, from its KV's arrival in an
-  engine) counts in its view as incoming until it joins the batch.
+  engine) counts in its view as incoming until it joins the batch. An
+  optional ``join_guard`` (admission's decode-side protection,
+  ``core.admission.join_guard``) lets a waiting hand-off join only while the
+  step with it stays within beta * tau; the node's view reports how fast it
+  finishes requests (``DecodeNodeView.finished_per_s``), the rate admission's
+  estimate of a hand-off's KV wait drains at.
 
 A step's time is the driver's to price (Eq. 4): a prefill node's chunk
 attends over the head job's prefilled context (the first element of
@@ -52,7 +57,27 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from kairos_ray.core import BlockCache, BlockHash, Decision, DecodeNodeView, Guard, PrefillNodeView
+from kairos_ray.core import BlockCache, BlockHash, Decision, DecodeNodeView, Guard, JoinGuard, PrefillNodeView
+
+FINISH_WINDOW = 32
+"""Finishes a decode node measures its finishing rate over: a few seconds of a busy node, so it follows bursts."""
+
+
+@dataclass(slots=True)
+class FinishRate:
+    """Requests a decode node finishes per second, over its last ``FINISH_WINDOW`` finishes (0 until two):
+    ``DecodeNodeView.finished_per_s``, the rate admission's estimate of a hand-off's KV wait drains at."""
+
+    times: deque[float] = field(default_factory=lambda: deque(maxlen=FINISH_WINDOW))
+
+    def finished(self, now: float) -> None:
+        self.times.append(now)
+
+    @property
+    def per_s(self) -> float:
+        times = self.times
+        span_s = times[-1] - times[0] if times else 0.0
+        return (len(times) - 1) / span_s if span_s > 0 else 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -63,6 +88,7 @@ class Job:
     arrival_s: float
     prompt_tokens: int
     output_tokens: int  # tokens to generate, the first included
+    priority: int = 0  # vLLM's request priority, lower is more important: admission sheds the least important first
     decision: Decision | None = None
     prefill_node: int = -1
     decode_node: int = -1
@@ -210,6 +236,7 @@ class DecodeNode:
     guard: Guard | None = None
     record_durations: bool = True  # the simulator needs every step's duration for TBT; a server does not
     cache: BlockCache | None = None  # prefix cache of the node's KV (None: no prefix caching)
+    join_guard: JoinGuard | None = None  # admission on: a hand-off joins only while the step with it fits beta * tau
     running: int = 0
     kv_tokens: int = 0
     reserved_tokens: int = 0  # prompt + output of every admitted or deflected job not yet finished
@@ -228,6 +255,9 @@ class DecodeNode:
     num_cached: int = 0  # committed deflections with a cache hit (the view lists hits only when some are)
     num_incoming: int = 0  # assigned jobs not in the batch yet (on their way or in ``waiting``)
     incoming_kv_tokens: int = 0  # the KV they will reserve when they join: prompt and output
+    incoming_transfers: int = 0  # assigned jobs whose KV has not arrived yet
+    incoming_transfer_tokens: int = 0  # the KV they send over the link: prompts less what their decisions saw held
+    finish_rate: FinishRate = field(default_factory=FinishRate)
 
     @property
     def used_kv_tokens(self) -> int:
@@ -250,6 +280,9 @@ class DecodeNode:
             committed_cached_tokens=tuple(j.cached_tokens for j in self.deflections) if self.num_cached else (),
             incoming_requests=self.num_incoming,
             incoming_kv_tokens=self.incoming_kv_tokens,
+            incoming_transfers=self.incoming_transfers,
+            incoming_transfer_tokens=self.incoming_transfer_tokens,
+            finished_per_s=self.finish_rate.per_s,
         )
 
     def deflect(self, job: Job) -> None:
@@ -275,13 +308,21 @@ class DecodeNode:
         return job.prompt_tokens - job.handoff_cached_tokens
 
     def assign(self, job: Job) -> None:
-        """A disaggregated job is bound for this node: it counts as incoming until it joins the batch."""
+        """A disaggregated job is bound for this node: it counts as incoming until it joins the batch, and as a
+        transfer on the node's link until its KV arrives."""
         self._count_incoming(job, 1)
+        self._count_transfer(job, 1)
 
     def transferred(self, job: Job, now: float) -> None:
         """An assigned job's KV has arrived; it joins the batch at a step start."""
         job.kv_ready_s = now
+        self._count_transfer(job, -1)
         self.waiting.append(job)
+
+    def _count_transfer(self, job: Job, sign: int) -> None:
+        held = job.decision.receiver_cached_tokens if job.decision is not None else 0
+        self.incoming_transfers += sign
+        self.incoming_transfer_tokens += sign * (job.prompt_tokens - held)
 
     def _count_incoming(self, job: Job, sign: int) -> None:
         self.num_incoming += sign
@@ -342,6 +383,8 @@ class DecodeNode:
             need = job.prompt_tokens + job.output_tokens
             if self.used_kv_tokens + need > self.kv_capacity_tokens and self.running:
                 break  # wait for KV to free up (an idle node always takes it: nothing else will free KV)
+            if self.join_guard is not None and self.running and not self._may_join(job):
+                break  # wait for the batch to shrink: its steps would overrun beta * tau
             self.waiting.popleft()
             self._count_incoming(job, -1)
             self.reserved_tokens += need
@@ -376,6 +419,16 @@ class DecodeNode:
             return None
         self.busy = True
         return self.running, self.kv_tokens, self.chunk
+
+    def _may_join(self, job: Job) -> bool:
+        """``join_guard`` on the step the job would join: the batch, and the chunk the head deflection plans next."""
+        assert self.join_guard is not None
+        chunk = prefix = extra = 0
+        if self.deflections:
+            head = self.deflections[0]
+            chunk, prefix = head.schedule[head.next_chunk], head.cached_tokens + head.prefilled_tokens
+            extra = 0 if head.prefilled_tokens else head.cached_tokens  # its cached prefix joins with its first chunk
+        return self.join_guard(self.running, self.kv_tokens + extra, job.prompt_tokens, chunk, prefix)
 
     def end_step(self, now: float, duration_s: float) -> None:
         """Apply the step: tokens for every running job, the chunk's KV; fills ``joined`` and ``finished``."""
@@ -421,6 +474,7 @@ class DecodeNode:
 
     def _finish(self, job: Job, now: float) -> None:
         job.finish_s = now
+        self.finish_rate.finished(now)
         self.kv_tokens -= job.prompt_tokens + max(0, job.last_step - job.join_step + 1)
         self.reserved_tokens -= job.prompt_tokens + job.output_tokens
         self.finished.append(job)

@@ -4,8 +4,9 @@ A line per node: its queue, decode batch size, resident and free KV, committed
 deflections, mean step time measured against the step-latency model's
 prediction, and what the router sent it in the last minute (deflected share on
 decode nodes); then the app's last minute at the ingress: requests, deflected
-share, P95 TTFT and TBT, the router calls' P50 and P99 (asking to the reply), fallbacks and
-rejections.
+share, P95 TTFT and TBT, the router calls' P50 and P99 (asking to the reply), fallbacks,
+rejections, requests admission shed (by reason and priority) and goodput (requests a second
+that ended within their TTFT and TBT objectives).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from kairos_ray.messages import LiveState, NodeLive, Role
+from kairos_ray.messages import LiveState, NodeLive, Role, ServiceLive
 
 STATE_PATH = "/kairos/state"
 
@@ -113,7 +114,19 @@ def render(state: LiveState, url: str) -> Group:
         f"P95 TTFT {ttft}, P95 TBT {tbt}, router call P50/P99 {calls}, {service.num_fallbacks} fallbacks, "
         f"{rejected} rejected" + (f" ({reasons})" if reasons else "")
     )
-    return Group(header, table, summary)
+    admission = Text(f"admission: {_shed(service)}, goodput {service.goodput_rps:.2f} req/s within the SLO")
+    return Group(header, table, summary, admission)
+
+
+def _shed(service: ServiceLive) -> str:
+    """'N shed (by reason; by priority)', the priorities only when more than one class was shed."""
+    total = sum(service.shed.values())
+    if not total:
+        return "0 shed"
+    reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(service.shed.items()))
+    classes = service.shed_by_priority
+    priorities = "; " + ", ".join(f"priority {p} {n}" for p, n in sorted(classes.items())) if len(classes) > 1 else ""
+    return f"{total} shed ({reasons}{priorities})"
 
 
 def run(url: str, interval_s: float, once: bool, api_key: str | None) -> int:

@@ -36,3 +36,10 @@ def _unit_tests_start_no_ray(request, monkeypatch):
 
     monkeypatch.setattr(ray, "init", refuse)
     monkeypatch.setattr(ray._private.worker, "init", refuse)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The Ray the app modules shared (``tests/shared_ray.py``) goes with the session."""
+    from tests import shared_ray
+
+    shared_ray.stop()

@@ -1,14 +1,19 @@
+import math
+
 import pytest
+import yaml
 
 from kairos_ray.config import ConfigError, KairosConfig, load_config, parse_config, resolve_profile
-from kairos_ray.core import PolicyParams, Route, Thresholds
+from kairos_ray.core import AdmissionMode, AdmissionParams, PolicyParams, Route, Thresholds
 from kairos_ray.scenarios import burst_view
+from tests.test_cli import kairos
 
 
 def test_defaults_are_the_cores_and_build_the_kairos_policy():
     config = KairosConfig()
     # a KV transfer's 0.1 s setup on the profile's 2 GB/s link is 6,430 tokens of 31,104 bytes
-    assert config.policy_params() == PolicyParams(handoff_setup_tokens=6430) and config.thresholds() == Thresholds()
+    expected = PolicyParams(handoff_setup_tokens=6430, handoff_tokens_per_s=2e9 / 31_104)
+    assert config.policy_params() == expected and config.thresholds() == Thresholds()
     assert config.slo.tbt_s == 0.07 and config.slo.ttft_s == 4.0
     policy = config.build_policy()
     assert policy.spec == "kairos" and policy.guards_chunks and policy.chunk_guard() is not None
@@ -58,6 +63,13 @@ def test_params_carry_the_config_through():
         ({"predictor": {"profile": "no-such-gpu"}}, "predictor.profile = 'no-such-gpu': no profile file"),
         ({"polciy": {}}, "polciy: unknown field"),
         ({"slo": {"ttft_ms": 4000}}, "slo.ttft_ms: unknown field"),
+        ({"admission": {"mode": True}}, "admission.mode = True: Input should be 'off' or 'shed'"),
+        ({"admission": {"mode": "drop"}}, "admission.mode = 'drop'"),
+        ({"admission": {"slack": 0}}, "admission.slack = 0: Input should be greater than 0"),
+        ({"admission": {"priority_reserve": 1}}, "admission.priority_reserve = 1: Input should be less than 1"),
+        ({"admission": {"kv_wait_max_s": 0}}, "admission.kv_wait_max_s = 0"),
+        ({"admission": {"retry_after_min_s": 9, "retry_after_max_s": 5}}, "must not exceed retry_after_max_s (5.0)"),
+        ({"admission": {"drop": True}}, "admission.drop: unknown field"),
     ],
 )
 def test_invalid_values_name_the_field_and_the_value(data, expected):
@@ -81,6 +93,26 @@ def test_yaml_file_round_trip_and_errors(tmp_path):
     not_a_mapping.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="expected a mapping"):
         load_config(not_a_mapping)
+
+
+def test_admission_is_off_by_default_and_a_bare_yaml_off_reads_as_off(tmp_path):
+    assert KairosConfig().policy_params().admission == AdmissionParams()  # the paper's behaviour
+    path = tmp_path / "kairos.yaml"
+    path.write_text("slo:\n  ttft_s: 2.5\nadmission:\n  mode: off\n")  # YAML reads a bare off as false
+    assert load_config(path).admission.mode is AdmissionMode.OFF
+    path.write_text("slo:\n  ttft_s: 2.5\nadmission:\n  mode: shed\n  slack: 0.8\n  never_shed_priorities: [-1, 0]\n")
+    params = load_config(path).policy_params().admission
+    assert params.on and params.ttft_slo_s == 2.5 and params.slack == 0.8
+    assert params.never_shed_priorities == frozenset({-1, 0})
+    assert params.threshold_s(0) == math.inf and params.threshold_s(1) == pytest.approx(2.5 * 0.8 * 0.75)
+
+
+def test_config_show_prints_the_admission_section_and_reads_back():
+    result = kairos("config", "show")
+    assert result.returncode == 0, result.stderr
+    shown = yaml.safe_load(result.stdout)
+    assert shown["admission"]["mode"] == "off" and shown["admission"]["slack"] == AdmissionParams().slack
+    assert parse_config(shown) == KairosConfig()
 
 
 def test_profiles_resolve_by_name_or_path(tmp_path):

@@ -3,7 +3,10 @@
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.vllm
 def test_vllm_and_ray_serve_import():
     code = "import vllm, ray.serve, torch; print(vllm.__version__, torch.__version__)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -22,12 +22,23 @@ from kairos_ray.serve.delivery import replica_of
 
 
 def replica(app: str, node_id: str) -> Any:
-    """The replica actor of a node (``prefill-<id>`` or ``decode-<id>``), or of the router (``Router``)."""
-    deployment = node_id.split("-", 1)[0] if "-" in node_id else node_id
-    unique = replica_of(node_id) if "-" in node_id else None
-    if unique is None:
-        return _only_replica(app, deployment)
-    return ray.get_actor(f"SERVE_REPLICA::{app}#{deployment}#{unique}", namespace="serve")
+    """The replica actor of a node (``prefill-<id>`` or ``decode-<id>``), or of a one-replica deployment
+    (``Router``)."""
+    unique = replica_of(node_id)
+    if not unique:
+        return _only_replica(app, node_id)
+    return ray.get_actor(f"SERVE_REPLICA::{app}#{deployment_of(app, node_id)}#{unique}", namespace="serve")
+
+
+def deployment_of(app: str, node_id: str) -> str:
+    """The deployment whose replica a node is (its pool's, whatever the pool names it)."""
+    unique = replica_of(node_id)
+    prefix = f"SERVE_REPLICA::{app}#"
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        name = actor["name"]
+        if actor["namespace"] == "serve" and name.startswith(prefix) and name.endswith(f"#{unique}"):
+            return str(name[len(prefix) : -len(unique) - 1])
+    raise LookupError(f"no live replica of {app} is node {node_id}")
 
 
 def replica_names(app: str, deployment: str) -> list[str]:
@@ -54,7 +65,7 @@ def engine_pid(app: str, node_id: str) -> int:
     """The process that steps a node's engine: its vLLM engine core, or the replica itself (emulated)."""
     from ray import serve
 
-    pool = serve.get_deployment_handle(node_id.split("-", 1)[0], app_name=app)
+    pool = serve.get_deployment_handle(deployment_of(app, node_id), app_name=app)
     pids: list[int] = pool.engine_pids.remote(node=node_id).result(timeout_s=60)
     if not pids:
         raise LookupError(f"{node_id} reports no engine process")
@@ -90,7 +101,7 @@ def residues(app: str, timeout_s: float = 30.0) -> list[Residue]:
         serve.get_deployment_handle("Ingress", app_name=app).residue.remote().result(timeout_s=timeout_s),
         router.residue.remote().result(timeout_s=timeout_s),
     ]
-    for node, state in router.snapshot.remote().result(timeout_s=timeout_s).items():
-        pool = serve.get_deployment_handle(state.role.value, app_name=app)
+    for node in router.snapshot.remote().result(timeout_s=timeout_s):
+        pool = serve.get_deployment_handle(deployment_of(app, node), app_name=app)
         found.append(pool.residue.remote(node=node).result(timeout_s=timeout_s))
     return found

@@ -31,6 +31,11 @@ tokens for the answer's blocks (the open loop does not wait), as in the
 simulator, where such a turn finds no answer cached. The cached prompt
 tokens the server reports (``x-kairos-cached-tokens``) go in each record.
 
+A request a Kairos-Ray server shed (429 naming its reason in
+``x-kairos-shed``: admission, ``core.admission``) is recorded as shed, apart
+from failures; with ``retries`` it is sent again after its ``Retry-After``,
+its TTFT still counted from its first send.
+
 The replay reports how well it kept to the schedule: the rate it achieved
 and its send lag (how late each request went out), and warns when it fell
 behind by more than 2 %.
@@ -52,6 +57,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kairos_ray.core import BlockHash
+from kairos_ray.messages import SHED_HEADER
 from kairos_ray.metrics import BREAKDOWN, RequestRecord
 from kairos_ray.workloads import Request, Workload
 
@@ -158,6 +164,17 @@ async def sse_lines(body: aiohttp.StreamReader) -> AsyncIterator[str]:
         yield rest.decode()
 
 
+def _shed_retry_s(response: aiohttp.ClientResponse) -> float | None:
+    """Seconds a shed request's answer says to wait before coming back (its ``Retry-After``); None when the
+    answer is not a shed request's, or says nothing of when."""
+    if response.status != 429 or SHED_HEADER not in response.headers:
+        return None
+    try:
+        return max(0.0, float(response.headers.get("retry-after", "")))
+    except ValueError:
+        return None
+
+
 async def _one(
     client: aiohttp.ClientSession,
     url: str,
@@ -166,7 +183,11 @@ async def _one(
     req: Request,
     start: float,
     talks: Conversations | None,
+    retries: int = 0,
 ) -> RequestRecord | str:
+    """One request's record, or the line saying why it got no answer; a request the server shed (429 with
+    ``x-kairos-shed``) is sent again after its ``Retry-After`` up to ``retries`` times, then recorded as shed."""
+
     prompt = talks.prompt(rid, req) if talks is not None else prompt_ids(rid, req.prompt_tokens)
     body = {
         "model": model,
@@ -176,14 +197,30 @@ async def _one(
         "ignore_eos": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         **({"return_token_ids": True} if talks is not None else {}),  # the answer's ids make the next turn
+        **({"priority": req.priority} if req.priority else {}),
     }
-    sent = time.monotonic()
+    sent = tried = time.monotonic()
     stamps: list[float] = []
     counted: list[int] = []  # tokens per event, by the server's running usage where it sends one (else 1)
     generated, total = 0, None
     answer: list[int] = []
     try:
-        async with client.post(f"{url}/v1/completions", json=body) as response:
+        response = await client.post(f"{url}/v1/completions", json=body)
+        for _ in range(retries):  # shed, and told when to come back: its TTFT still counts from its first send
+            retry_s = _shed_retry_s(response)
+            if retry_s is None:
+                break
+            response.release()
+            await asyncio.sleep(retry_s)
+            tried = time.monotonic()
+            response = await client.post(f"{url}/v1/completions", json=body)
+        async with response:
+            shed = response.headers.get(SHED_HEADER) if response.status == 429 else None
+            if shed is not None:  # counted apart from failures
+                answer_s = time.monotonic() - tried  # its last try's
+                return RequestRecord.of_shed(
+                    rid, sent - start, req.prompt_tokens, req.output_tokens, req.priority, shed, answer_s
+                )
             if response.status != 200:
                 text = (await response.read()).decode(errors="replace")[:200]
                 return f"request {rid}: HTTP {response.status}: {text}"
@@ -230,9 +267,15 @@ async def _one(
 
 
 async def replay(
-    url: str, model: str, workload: Workload, timeout_s: float = 600.0, progress: Callable[[int], None] | None = None
+    url: str,
+    model: str,
+    workload: Workload,
+    timeout_s: float = 600.0,
+    progress: Callable[[int], None] | None = None,
+    retries: int = 0,
 ) -> BenchResult:
-    """Send every request of ``workload`` at its arrival time; wait for all of them.
+    """Send every request of ``workload`` at its arrival time; wait for all of them. A request the server shed
+    is a shed record (not a failure), after up to ``retries`` more tries each after its ``Retry-After``.
 
     ``timeout_s`` bounds connecting and each wait for more of an answer, not a whole stream. The client is
     aiohttp's, whose HTTP parser is compiled, so the load generator takes little of the CPU that the server under
@@ -252,7 +295,7 @@ async def replay(
             await asyncio.sleep(max(0.0, start + req.arrival_s - time.monotonic()))
             sends[rid] = time.monotonic()
             lags[rid] = sends[rid] - start - req.arrival_s
-            result = await _one(client, url, model, rid, req, start, talks)
+            result = await _one(client, url, model, rid, req, start, talks, retries)
             if progress is not None:
                 progress(1)
             return result

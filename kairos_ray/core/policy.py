@@ -1,4 +1,4 @@
-"""Routing policies behind one interface, ``decide(prompt_tokens, view, hits) -> Decision``.
+"""Routing policies behind one interface, ``decide(prompt_tokens, view, hits, priority) -> Decision``.
 
 - ``kairos``: Algorithm 1. Estimate TTFT on the best prefill node (Eq. 1-2);
   for every decode node with KV room, build the LargestSafe schedule (Eq. 5)
@@ -19,6 +19,18 @@ decode node that would finish the prefill first, among those with KV room.
 Every policy sends a prefill-routed request to the prefill node with the
 least estimated TTFT and names the decode node its KV reaches first, among
 those with KV room for it and a decode step inside beta * tau with it.
+
+With admission on (``PolicyParams.admission``, ``core.admission``) every
+policy also protects the decode side and prices each route to its first
+token. A deflection is planned (Eq. 5, 6) for the batch it will run beside,
+the hand-offs bound to the node included (they are ahead of it in line for
+that batch), and needs that batch's decode step to stay within beta * tau
+once the request has joined it. A prefill-routed request goes to the decode
+node where its estimated first token comes first, its KV's wait for that
+node, the transfer and a decode step included (``Decision.kv_wait_s``,
+``ttft_prefill_s``). ``kairos`` deflects whenever only the decode path is in
+time, whatever alpha says. The decision then carries admission's verdict
+(``Decision.admission``).
 ``make_policy`` maps spec strings (``"kairos"``, ``"sq:4"``...) to policies so
 the simulator, the Serve router and the CLI share them. A policy says whether
 decode nodes re-check each planned chunk when it runs (``guards_chunks``, Eq.
@@ -44,9 +56,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from kairos_ray.core.admission import (
+    AdmissionParams,
+    JoinGuard,
+    handoff_fits,
+    handoff_ttft_s,
+    join_guard,
+    joined_step_fits,
+    judge,
+    kv_wait_s,
+)
 from kairos_ray.core.estimate import PREFILL_ESTIMATORS, PrefillEstimatorName, QueueWalks, after_committed, runs_s
 from kairos_ray.core.latency import StepLatency
 from kairos_ray.core.prefix import PrefixHits
@@ -67,6 +89,8 @@ class PolicyParams:
     static_chunk_tokens: int = 512  # fixed chunk of the sq/sl baselines
     prefix_aware: bool = True  # price only each node's uncached suffix, given PrefixHits (module docstring)
     handoff_setup_tokens: int = 0  # a KV transfer's fixed cost, in tokens its link could carry meanwhile
+    handoff_tokens_per_s: float = 0.0  # KV tokens a decode node's link carries per second (0: transfers unpriced)
+    admission: AdmissionParams = field(default_factory=AdmissionParams)  # shed what no route serves in time
 
     @property
     def tbt_budget_s(self) -> float:
@@ -97,12 +121,19 @@ class Policy(Protocol):
     guards_chunks: bool  # decode nodes re-check each planned chunk when it runs (Eq. 5 at run time)
     decides_with_ground_truth: bool  # the caller must pass the emulator's ground truth as the model
 
-    def decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None = None) -> Decision:
-        """Route one request of ``prompt_tokens`` tokens given the current view and, if known, its prefix hits."""
+    def decide(
+        self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None = None, priority: int = 0
+    ) -> Decision:
+        """Route one request of ``prompt_tokens`` tokens given the current view and, if known, its prefix hits;
+        with admission on, admit or shed it by its ``priority`` (vLLM's: lower is more important)."""
         ...
 
     def chunk_guard(self) -> Guard | None:
         """The run-time chunk check decode nodes apply under this policy, or None (``guards_chunks`` false)."""
+        ...
+
+    def join_guard(self) -> JoinGuard | None:
+        """The check a decode node applies before a hand-off joins its batch, or None (admission off)."""
         ...
 
 
@@ -119,8 +150,10 @@ class _PrefillOption:
     """The best prefill node for one request."""
 
     node: PrefillNodeView
-    ttft_s: float  # Eq. 1
+    ttft_s: float  # Eq. 1; with admission on the hand-off's to its first token (core.admission.handoff_ttft_s)
     cached_tokens: int  # prompt tokens the node's cache holds (as priced)
+    kv_wait_s: float  # estimated wait of its KV for a decode node that can take it (0 with admission off)
+    target: DecodeNodeView | None  # with admission on, the decode node its KV goes to (``_earliest_handoff``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +208,9 @@ class _BasePolicy:
     def _configure(self, arg: str | None, thresholds: Thresholds) -> None:
         """Take the spec's argument; policies without one have nothing to take."""
 
-    def decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None = None) -> Decision:
+    def decide(
+        self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None = None, priority: int = 0
+    ) -> Decision:
         if prompt_tokens < 1:
             raise ValueError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
         if not view.prefill or not view.decode:
@@ -183,23 +218,33 @@ class _BasePolicy:
                 f"cluster view needs at least one prefill and one decode node, "
                 f"has {len(view.prefill)} prefill and {len(view.decode)} decode"
             )
-        decision = self._decide(prompt_tokens, view, hits if self.params.prefix_aware else None)
+        admission = self.params.admission
+        in_time_s = admission.threshold_s(priority) if admission.on else math.inf
+        decision = self._decide(prompt_tokens, view, hits if self.params.prefix_aware else None, in_time_s)
         if hits is not None and decision.route is Route.PREFILL and decision.decode_node is not None:
             # the hand-off leaves out what its decode node holds, whether or not the estimates priced it
             held = hits.at(decision.decode_node)
             if held:
                 decision = replace(decision, receiver_cached_tokens=held)
+        if admission.on:
+            decision = replace(decision, admission=judge(admission, decision, priority))
         return decision
 
-    def _decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> Decision:
-        """Decide with ``hits`` None when cache-blind."""
+    def _decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None, in_time_s: float) -> Decision:
+        """Decide with ``hits`` None when cache-blind; ``in_time_s``: the estimate admission admits up to
+        (inf when admission is off)."""
         raise NotImplementedError
 
     def chunk_guard(self) -> Guard | None:
         return chunk_guard(self.decode_model, self.params) if self.guards_chunks else None
 
+    def join_guard(self) -> JoinGuard | None:
+        return join_guard(self.decode_model, self.params.tbt_budget_s) if self.params.admission.on else None
+
     def _best_prefill(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> _PrefillOption:
-        """Prefill node with the least estimated TTFT for this request (Eq. 1)."""
+        """Prefill node with the least estimated TTFT for this request (Eq. 1); with admission on, carried on to
+        the first token on its hand-off target: its KV's wait, its transfer, a decode step
+        (``core.admission.handoff_ttft_s``)."""
         chunk = self.params.prefill_chunk_tokens
         best, best_s, best_cached = view.prefill[0], math.inf, 0
         for node in view.prefill:
@@ -207,7 +252,25 @@ class _BasePolicy:
             seconds = self._estimate(self.prefill_model, node, prompt_tokens, chunk, cached, self._prefill_walks)
             if seconds < best_s:
                 best, best_s, best_cached = node, seconds, cached
-        return _PrefillOption(best, best_s, best_cached)
+        if not self.params.admission.on:
+            return _PrefillOption(best, best_s, best_cached, 0.0, None)
+        return self._earliest_handoff(prompt_tokens, view, hits, _PrefillOption(best, best_s, best_cached, 0.0, None))
+
+    def _earliest_handoff(
+        self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None, prefill: _PrefillOption
+    ) -> _PrefillOption:
+        """With admission on: ``prefill`` carried on to the decode node where the hand-off's estimated first token
+        comes first (``core.admission.handoff_ttft_s``, its KV's wait for that node included)."""
+        params, model = self.params, self.decode_model
+        budget_s, setup, rate = params.tbt_budget_s, params.handoff_setup_tokens, params.handoff_tokens_per_s
+        best = prefill
+        for node in view.decode:
+            held = hits.at(node.node_id) if hits else 0
+            wait_s = kv_wait_s(model, node, prompt_tokens, budget_s, held)
+            seconds = handoff_ttft_s(model, node, prefill.ttft_s, wait_s, prompt_tokens, held, setup, rate)
+            if best.target is None or seconds < best.ttft_s:
+                best = replace(prefill, ttft_s=seconds, kv_wait_s=wait_s, target=node)
+        return best
 
     def _fastest_deflection(
         self, prompt_tokens: int, view: ClusterView, plan: Planner, hits: PrefixHits | None
@@ -215,12 +278,18 @@ class _BasePolicy:
         """Fastest decode option under ``plan``; also counts the nodes short of KV and the infeasible ones."""
         best: _DecodeOption | None = None
         lacking_kv = infeasible = 0
+        protect, budget_s = self.params.admission.on, self.params.tbt_budget_s
         for node in view.decode:
             cached = hits.at(node.node_id) if hits else 0
             if node.headroom_kv_tokens < prompt_tokens - cached:
                 lacking_kv += 1
                 continue
             wait_s, batch_size, kv_tokens = after_committed(self.decode_model, node, self._decode_walks)
+            if protect:  # planned beside the batch the bound hand-offs join, and joining it within the budget
+                batch_size, kv_tokens = batch_size + node.incoming_requests, kv_tokens + node.incoming_kv_tokens
+                if not joined_step_fits(self.decode_model, batch_size, kv_tokens, prompt_tokens, budget_s):
+                    infeasible += 1
+                    continue
             limit_s = math.inf if best is None else best.ttft_s - wait_s
             if limit_s <= 0.0:
                 continue  # already slower than the best before its own first step
@@ -256,11 +325,7 @@ class _BasePolicy:
             """KV room once the hand-offs bound there have joined, what the node holds of the prompt counting."""
             return n.headroom_kv_tokens - n.incoming_kv_tokens + held(n.node_id)
 
-        def takes_it(n: DecodeNodeView) -> bool:
-            batch_size, kv_tokens = n.batch_size + n.incoming_requests + 1, n.kv_tokens + n.incoming_kv_tokens
-            return room(n) >= prompt_tokens and model.step_s(batch_size, kv_tokens + prompt_tokens, 0) <= budget_s
-
-        able = [n for n in view.decode if takes_it(n)]
+        able = [n for n in view.decode if handoff_fits(model, n, prompt_tokens, budget_s, held(n.node_id))]
         if able:
             return min(
                 able,
@@ -281,7 +346,7 @@ class _BasePolicy:
         ttft_dec_s: float | None,
         reason: str,
     ) -> Decision:
-        decode = self._handoff_target(prompt_tokens, view, hits)
+        decode = prefill.target or self._handoff_target(prompt_tokens, view, hits)
         return Decision(
             Route.PREFILL,
             prefill.node.node_id,
@@ -291,6 +356,7 @@ class _BasePolicy:
             ttft_dec_s,
             reason,
             prefill.cached_tokens,
+            kv_wait_s=prefill.kv_wait_s,
         )
 
     @staticmethod
@@ -313,7 +379,7 @@ class KairosPolicy(_BasePolicy):
     spec = "kairos"
     guards_chunks = True
 
-    def _decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> Decision:
+    def _decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None, in_time_s: float) -> Decision:
         params = self.params
         prefill = self._best_prefill(prompt_tokens, view, hits)
         ttft_pf = prefill.ttft_s
@@ -338,6 +404,9 @@ class KairosPolicy(_BasePolicy):
         if params.alpha * option.ttft_s < ttft_pf:
             reason = f"decode {option.ttft_s:.3f}s x alpha {params.alpha:g} < prefill {ttft_pf:.3f}s"
             return self._to_decode(option, ttft_pf, reason)
+        if option.ttft_s <= in_time_s < ttft_pf:
+            reason = f"decode {option.ttft_s:.3f}s in time, prefill {ttft_pf:.3f}s not (admission {in_time_s:.3f}s)"
+            return self._to_decode(option, ttft_pf, reason)
         reason = f"decode {option.ttft_s:.3f}s x alpha {params.alpha:g} >= prefill {ttft_pf:.3f}s"
         return self._to_prefill(prompt_tokens, view, hits, prefill, option.ttft_s, reason)
 
@@ -354,7 +423,7 @@ class PDPolicy(_BasePolicy):
 
     spec = "pd"
 
-    def _decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> Decision:
+    def _decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None, in_time_s: float) -> Decision:
         prefill = self._best_prefill(prompt_tokens, view, hits)
         return self._to_prefill(prompt_tokens, view, hits, prefill, None, "pd never deflects")
 
@@ -365,7 +434,7 @@ class _StaticPolicy(_BasePolicy):
     def _wants_deflection(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> tuple[bool, str]:
         raise NotImplementedError
 
-    def _decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> Decision:
+    def _decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None, in_time_s: float) -> Decision:
         prefill = self._best_prefill(prompt_tokens, view, hits)
         wants, why = self._wants_deflection(prompt_tokens, view, hits)
         if not wants:

@@ -16,10 +16,16 @@ A decode node also counts the hand-offs bound for it that are not decoding
 yet (``incoming_requests``: in a prefill queue, prefilling, in KV transfer,
 or waiting for a slot) and the KV they will reserve there
 (``incoming_kv_tokens``): they will join its batch, so a router choosing
-where to send the next hand-off must see them. Nothing else counts them:
+where to send the next hand-off must see them; of those, the ones whose KV
+has not arrived yet (``incoming_transfers``) still send what the node lacks
+of their prompts over its link (``incoming_transfer_tokens``). Nothing else counts them:
 the decode node's Eq. 5 guard checks each chunk against the batch it runs
 in, so Eq. 5 and 6 price B_n as it is now, and a deflection's KV room is
 what is free now (a hand-off may wait in a prefill queue for minutes).
+
+A decision may carry admission's verdict (``Admission``, ``core.admission``):
+a shed request is answered at once and dispatched nowhere, so the ledger
+steps (``apply_decision``, ``node_after``) leave every node as it was.
 """
 
 from __future__ import annotations
@@ -71,6 +77,9 @@ class DecodeNodeView:
     committed_cached_tokens: tuple[int, ...] = ()
     incoming_requests: int = 0  # prefill-routed requests bound here, not decoding yet: they will join B_n
     incoming_kv_tokens: int = 0  # the KV they will reserve here when they join: prompt and output
+    incoming_transfers: int = 0  # of them, those whose KV has not arrived here yet
+    incoming_transfer_tokens: int = 0  # the KV those still send over this node's link: their prompts less its cache
+    finished_per_s: float = 0.0  # requests finishing here per second, measured over its recent finishes (0: unknown)
     # ``committed_tokens`` once asked (-1: not yet): a policy asks it of every node several times per decision,
     # and a burst's ledger commits hundreds of schedules; ``replace`` makes a new view, which asks afresh
     _committed_tokens: int = field(default=-1, init=False, repr=False, compare=False)
@@ -96,6 +105,28 @@ class ClusterView:
     decode: tuple[DecodeNodeView, ...]
 
 
+class ShedReason(StrEnum):
+    """Why admission shed a request (``Admission.reason``)."""
+
+    NO_ROUTE_IN_TIME = "no-route-in-time"  # no route's estimated TTFT is within the objective (times the slack)
+    PRIORITY = "priority"  # in time, but past the share of the objective its priority class may use
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Admission's verdict on one request (``core.admission.judge``): what the answer to a shed request needs."""
+
+    admitted: bool
+    reason: ShedReason | None  # why it was shed; None when admitted
+    ttft_estimate_s: float  # the estimated TTFT judged: the chosen route's, its KV wait included
+    threshold_s: float  # the estimate its priority class is admitted up to (inf: a never-shed class)
+    retry_after_s: float  # shed: estimated seconds until the work ahead has drained to threshold_s; 0 when admitted
+
+    def overruled(self) -> Admission:
+        """This verdict turned into an admission (a request that must not be shed: the retry of an admitted one)."""
+        return replace(self, admitted=True, reason=None, retry_after_s=0.0)
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     """A policy's answer for one request (Algorithm 1 output, plus the estimates behind it)."""
@@ -104,15 +135,26 @@ class Decision:
     prefill_node: str | None  # prefill node id for Route.PREFILL, else None
     decode_node: str | None  # decode node that streams the tokens (None only when the cluster has none)
     chunk_schedule: tuple[int, ...]  # X*: chunk sizes for Route.DEFLECT, empty otherwise
-    ttft_prefill_s: float | None  # estimated TTFT on the best prefill node (Eq. 1), None without prefill nodes
+    # estimated TTFT on the best prefill node (Eq. 1), None without prefill nodes; with admission on carried on to
+    # the first token: the KV's wait and transfer and a decode step (``core.admission.handoff_ttft_s``)
+    ttft_prefill_s: float | None
     ttft_decode_s: float | None  # estimated TTFT on the chosen/best decode node (Eq. 6), None if none feasible
     reason: str  # short, human-readable
     cached_prompt_tokens: int = 0  # prompt tokens the prefilling node holds (priced as cached; 0 if cache-blind)
     receiver_cached_tokens: int = 0  # Route.PREFILL: prompt tokens the decode node holds (their KV need not travel)
+    # Route.PREFILL under decode-side protection: estimated wait of its KV on the prefill node for a decode node
+    # that can take it (``core.admission.kv_wait_s``); ttft_prefill_s includes it
+    kv_wait_s: float = 0.0
+    admission: Admission | None = None  # admission's verdict; None when admission is off
 
     @property
     def deflected(self) -> bool:
         return self.route is Route.DEFLECT
+
+    @property
+    def shed(self) -> bool:
+        """Admission shed the request: it is answered at once and dispatched nowhere."""
+        return self.admission is not None and not self.admission.admitted
 
 
 def apply_decision(view: ClusterView, prompt_tokens: int, decision: Decision, output_tokens: int = 0) -> ClusterView:
@@ -130,7 +172,7 @@ def apply_decision(view: ClusterView, prompt_tokens: int, decision: Decision, ou
     prefix (``decision.cached_prompt_tokens``) is charged nowhere on the
     node that computes the prompt: it is in that node's cache already, so
     charging it would count it twice. A hit on blocks no request holds takes them off the
-    node's free list; the node's next report shows that.
+    node's free list; the node's next report shows that. A shed decision changes nothing.
     """
     decided = ((prompt_tokens, decision, output_tokens),)
     return ClusterView(
@@ -162,7 +204,7 @@ def node_after(
         queued: list[int] = []
         cached: list[int] = []
         for prompt_tokens, decision, _ in decided:
-            if decision.route is Route.PREFILL and decision.prefill_node == node.node_id:
+            if decision.route is Route.PREFILL and decision.prefill_node == node.node_id and not decision.shed:
                 queued.append(prompt_tokens - decision.cached_prompt_tokens)
                 cached.append(decision.cached_prompt_tokens)
         if not queued:
@@ -174,13 +216,14 @@ def node_after(
         )
     committed: list[tuple[int, ...]] = []
     committed_cached: list[int] = []
-    incoming = incoming_kv = reserved = 0
+    incoming = incoming_kv = transfer = reserved = 0
     for prompt_tokens, decision, output_tokens in decided:
-        if decision.decode_node != node.node_id:
+        if decision.decode_node != node.node_id or decision.shed:
             continue
         if decision.route is Route.PREFILL:
             incoming += 1
             incoming_kv += prompt_tokens + output_tokens
+            transfer += prompt_tokens - decision.receiver_cached_tokens
         else:
             committed.append(decision.chunk_schedule)
             committed_cached.append(decision.cached_prompt_tokens)
@@ -198,6 +241,8 @@ def node_after(
         free_kv_tokens=node.free_kv_tokens - reserved,
         incoming_requests=node.incoming_requests + incoming,
         incoming_kv_tokens=node.incoming_kv_tokens + incoming_kv,
+        incoming_transfers=node.incoming_transfers + incoming,
+        incoming_transfer_tokens=node.incoming_transfer_tokens + transfer,
     )
 
 

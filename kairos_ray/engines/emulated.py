@@ -44,7 +44,7 @@ import zlib
 from collections.abc import AsyncIterator
 from typing import Self
 
-from kairos_ray.core import Guard, JournaledBlockCache, StepLatency, StepLatencyModel, block_ids
+from kairos_ray.core import Guard, JoinGuard, JournaledBlockCache, StepLatency, StepLatencyModel, block_ids
 from kairos_ray.emulation import ClusterHardware, GroundTruth, StepNoise
 from kairos_ray.engines import EngineUnhealthy, NodeSpec, check_schedule
 from kairos_ray.engines.reporting import StateReporter
@@ -76,6 +76,7 @@ class EmulatedEngine:
         reporter: StateReporter,
         transport: KVTransport,
         guard: Guard | None = None,
+        join_guard: JoinGuard | None = None,
         time_scale: float = 1.0,
         kv_scale: int = 1000,
         seed: int = 0,
@@ -96,6 +97,7 @@ class EmulatedEngine:
             guard,
             record_durations=False,
             cache=self.cache,
+            join_guard=join_guard,
         )
         self.kv_recomputes = 0  # hand-offs whose KV was lost: recomputed here
         self._noise = StepNoise(seed, hardware.noise_cv)
@@ -127,6 +129,7 @@ class EmulatedEngine:
             StateReporter(spec.ray_node_id, model, spec.on_state, options.report_interval_s, options.report_refresh_s),
             build_transport(spec.node_id, "", options.kv_timeout_s, secret=spec.app_secret),
             guard=spec.policy.chunk_guard(),
+            join_guard=spec.policy.join_guard(),
             time_scale=options.time_scale,
             kv_scale=options.kv_scale,
             seed=options.seed + zlib.crc32(spec.node_id.encode()),
@@ -388,7 +391,8 @@ class EmulatedEngine:
         healthy = self._task is None or not self._task.done()
         if self.role is Role.PREFILL:
             return self.reporter.state(self.prefill_node.view(), pinned_kv=self.kv.held, healthy=healthy)
-        view = self.decode_node.view()
+        view = self.decode_node.view()  # its finishing rate per wall second: the router counts emulated ones
+        view = dataclasses.replace(view, finished_per_s=view.finished_per_s * self.time_scale)
         capacity = self.hw.kv_capacity_tokens
         return self.reporter.state(
             view,

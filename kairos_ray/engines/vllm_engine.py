@@ -76,6 +76,7 @@ from kairos_ray.engines.vllm_worker import EXTENSION as SEEDED_CHUNKS
 from kairos_ray.kv import KAIROS_CONNECTOR, KVBytes, KVLost, KVTransport, build_transport
 from kairos_ray.kv.staging import HOLD_KEY, SKIP_TOKENS, Staging, node_staging, remote_decode_params
 from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role, TokenEvent, TokenLogprob, TTFTBreakdown
+from kairos_ray.nodes import FinishRate
 
 logger = logging.getLogger("ray.serve")
 
@@ -173,6 +174,7 @@ class VllmEngine:
         self._queue: OrderedDict[int, int] = OrderedDict()  # prefill: request id -> prompt tokens, not yet prefilled
         self._prefilled_since_head = 0  # prefill: prompt tokens computed since the queue's head arrived
         self._active: dict[int, int] = {}  # decode: request id -> resident tokens
+        self._finishes = FinishRate()  # decode: how fast requests end here (admission's KV-wait estimate)
         self._committed: dict[int, tuple[int, ...]] = {}  # decode: request id -> schedule, until its first token
         self._deflect_prefilled = 0  # decode: prompt tokens the first committed deflection has prefilled
         self._staged: dict[int, tuple[dict[str, Any], list[int]]] = {}  # prefill, holding: id -> (params, ranks)
@@ -539,7 +541,8 @@ class VllmEngine:
                 if ready:
                     yield ready
         finally:
-            self._active.pop(rid, None)
+            if self._active.pop(rid, None) is not None:
+                self._finishes.finished(time.monotonic())
             self._uncommit(rid)
             self.staging.discard(extra.get("kv_transfer_params"))  # left when the request ended before loading
 
@@ -569,6 +572,7 @@ class VllmEngine:
             committed=tuple(self._committed.values()),
             head_prefilled_tokens=self._deflect_prefilled if self._committed else 0,
             committed_cached_tokens=cached if any(cached) else (),
+            finished_per_s=self._finishes.per_s,
         )
         return self.reporter.state(
             decode,

@@ -20,6 +20,18 @@ within their bounds) is reported as ``slo_met``.
 ``tbt_violation_pct`` is the share of all TBT gaps, over all requests, longer
 than ``slo.tbt_s``.
 
+Admission (``core.admission``): a request the router shed is a record too
+(route ``shed``, its reason in ``shed_reason``, no TTFT, no gap). Latency
+percentiles, TBT violations, the breakdown and throughput are over the
+admitted requests; ``slo_attainment_pct`` is over every request offered (a
+shed one misses the SLO), ``admitted_slo_attainment_pct`` over the admitted
+ones, ``shed_pct`` the share shed. ``goodput_rps`` is the offered rate times
+the share of offered requests (shed and failed ones included) that attain the
+SLO: the requests served within their objectives per second of offered load.
+Where the simulator knows what a shed request would have met, had it been
+admitted (``RequestRecord.would_attain``), ``shed_would_attain_pct`` is the
+share of those ``shed_probed`` requests that would have attained the SLO.
+
 Prefix caching (where the records know it, as the simulator's do):
 ``prefill_hit_pct`` and ``deflect_hit_pct`` are the shares of prompt tokens
 that the node computing the prompt found in its cache, over the requests of
@@ -44,18 +56,19 @@ import numpy.typing as npt
 from kairos_ray.config import SLOConfig
 
 BREAKDOWN = ("prefill_queue_s", "prefill_exec_s", "kv_transfer_s", "decode_queue_s")
+SHED_ROUTE = "shed"  # the route of a request admission shed
 TBT_ALLOWED_SHARE = 0.05  # a request may have up to 5 % of its gaps over the TBT objective
 
 
 @dataclass
 class RequestRecord:
-    """One served request."""
+    """One request: served, or shed by admission (``route`` is ``SHED_ROUTE``)."""
 
     request_id: int
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
-    route: str  # "prefill" or "deflect"
+    route: str  # "prefill", "deflect" or "shed"
     prefill_node: str  # "" when deflected
     decode_node: str
     ttft_s: float
@@ -67,6 +80,50 @@ class RequestRecord:
     tbt_gaps_s: npt.NDArray[np.float64] = field(repr=False)  # every gap between consecutive tokens
     cached_tokens: int | None = None  # prompt tokens the computing node's prefix cache held; None: unknown
     kv_transfer_bytes: int | None = None  # KV sent from a prefill node to the decode node; None: unknown
+    priority: int = 0  # vLLM's request priority (lower is more important)
+    shed_reason: str = ""  # why admission shed it (``core.ShedReason``); "" when admitted
+    would_attain: bool | None = None  # shed: whether it would have attained the SLO, admitted; None: unknown
+    shed_answer_s: float = math.nan  # shed, live: seconds from sending it to its 429; NaN: not known
+
+    @property
+    def shed(self) -> bool:
+        return self.route == SHED_ROUTE
+
+    @classmethod
+    def of_shed(
+        cls,
+        request_id: int,
+        arrival_s: float,
+        prompt_tokens: int,
+        output_tokens: int,
+        priority: int,
+        reason: str,
+        answer_s: float = math.nan,
+    ) -> RequestRecord:
+        """The record of a request admission shed: no node, no token, its TTFT and finish NaN; ``answer_s``: how
+        long its 429 took, where measured."""
+        nan = math.nan
+        return cls(
+            request_id=request_id,
+            arrival_s=arrival_s,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            route=SHED_ROUTE,
+            prefill_node="",
+            decode_node="",
+            ttft_s=nan,
+            prefill_queue_s=nan,
+            prefill_exec_s=nan,
+            kv_transfer_s=nan,
+            decode_queue_s=nan,
+            finish_s=nan,
+            tbt_gaps_s=np.empty(0),
+            cached_tokens=0,
+            kv_transfer_bytes=0,
+            priority=priority,
+            shed_reason=reason,
+            shed_answer_s=answer_s,
+        )
 
     def attains(self, slo: SLOConfig) -> bool:
         """Per-request SLO attainment (module docstring)."""
@@ -124,6 +181,7 @@ def gap_stats(records: Sequence[RequestRecord], slo: SLOConfig) -> GapStats:
 
 SUMMARY_COLUMNS = (
     "policy",
+    "admission",
     "rps",
     "requests",
     "failed",
@@ -138,6 +196,11 @@ SUMMARY_COLUMNS = (
     "slo_met",
     "deflections",
     "throughput_tok_s",
+    "goodput_rps",
+    "shed_pct",
+    "admitted_slo_attainment_pct",
+    "shed_probed",
+    "shed_would_attain_pct",
     *(f"p95_{name}" for name in BREAKDOWN),
     "prefill_util_pct",
     "decode_util_pct",
@@ -175,17 +238,24 @@ def summarize(
     decode_util: float = math.nan,
     failed: int = 0,
     stats: GapStats | None = None,
+    admission: str = "",
 ) -> dict[str, Any]:
-    """One summary row (``SUMMARY_COLUMNS``) of the served ``records`` (``failed`` requests got no answer);
-    utilisations are busy shares in [0, 1] where known; ``stats``: their ``gap_stats``, if already computed."""
+    """One summary row (``SUMMARY_COLUMNS``) of the ``records`` of the requests offered at ``rps`` (``failed``
+    requests more got no answer); utilisations are busy shares in [0, 1] where known; ``stats``: their
+    ``gap_stats``, if already computed; ``admission``: the admission mode they ran under, where known."""
     stats = stats or gap_stats(records, slo)
-    ttft = np.array([r.ttft_s for r in records])
+    served = [r for r in records if not r.shed]
+    ttft = np.array([r.ttft_s for r in served])
     gaps = stats.gaps_s
-    start = min((r.arrival_s for r in records), default=0.0)
-    end = max((r.finish_s for r in records), default=0.0)
-    tokens = sum(r.output_tokens for r in records)
+    start = min((r.arrival_s for r in served), default=0.0)
+    end = max((r.finish_s for r in served), default=0.0)
+    tokens = sum(r.output_tokens for r in served)
+    attained = int(np.count_nonzero(stats.attains))
+    offered = len(records) + failed
+    probed = [r.would_attain for r in records if r.shed and r.would_attain is not None]
     row: dict[str, Any] = {
         "policy": policy,
+        "admission": admission,
         "rps": rps,
         "requests": len(records),
         "failed": failed,
@@ -199,6 +269,11 @@ def summarize(
         "slo_attainment_pct": 100 * float(np.mean(stats.attains)) if records else math.nan,
         "deflections": sum(r.route == "deflect" for r in records),
         "throughput_tok_s": tokens / (end - start) if end > start else math.nan,
+        "goodput_rps": rps * attained / offered if offered else math.nan,
+        "shed_pct": 100 * (len(records) - len(served)) / offered if offered else math.nan,
+        "admitted_slo_attainment_pct": 100 * attained / len(served) if served else math.nan,
+        "shed_probed": len(probed),
+        "shed_would_attain_pct": 100 * sum(probed) / len(probed) if probed else math.nan,
         "prefill_util_pct": 100 * prefill_util,
         "decode_util_pct": 100 * decode_util,
         "prefill_hit_pct": _hit_pct(records, "prefill"),
@@ -206,7 +281,7 @@ def summarize(
         "kv_transfer_gb": _transfer_gb(records),
     }
     for name in BREAKDOWN:
-        row[f"p95_{name}"] = _pct(np.array([getattr(r, name) for r in records]), 95)
+        row[f"p95_{name}"] = _pct(np.array([getattr(r, name) for r in served]), 95)
     row["slo_met"] = bool(row["p95_ttft_s"] <= slo.ttft_s and (not len(gaps) or row["p95_tbt_s"] <= slo.tbt_s))
     return row
 
@@ -230,6 +305,9 @@ RECORD_COLUMNS = (
     "attains_slo",
     "cached_tokens",
     "kv_transfer_bytes",
+    "priority",
+    "shed_reason",
+    "would_attain",
 )
 
 
@@ -263,6 +341,9 @@ def record_rows(
                 "attains_slo": attains,
                 "cached_tokens": "" if r.cached_tokens is None else r.cached_tokens,
                 "kv_transfer_bytes": "" if r.kv_transfer_bytes is None else r.kv_transfer_bytes,
+                "priority": r.priority,
+                "shed_reason": r.shed_reason,
+                "would_attain": "" if r.would_attain is None else r.would_attain,
             }
         )
     return rows

@@ -9,7 +9,8 @@ from typing import Any, cast
 from ray.serve import Application, Deployment
 
 from kairos_ray.config import KairosConfig
-from kairos_ray.serve.args import AppArgs, PoolConfig
+from kairos_ray.messages import Role
+from kairos_ray.serve.args import AppArgs, PoolConfig, ServingConfig
 from kairos_ray.serve.engine_server import EngineServer
 from kairos_ray.serve.ingress import Ingress
 from kairos_ray.serve.router import Router
@@ -87,28 +88,20 @@ def pool_options(role: str, pool: PoolConfig, kairos: KairosConfig) -> dict[str,
 
 
 def _pool(
-    role: str,
-    pool: PoolConfig,
-    kairos: KairosConfig,
-    kairos_args: dict[str, Any],
-    serving: dict[str, Any],
-    router: Application,
-    app_secret: bytes,
+    role: Role, pool: PoolConfig, kairos: KairosConfig, serving: ServingConfig, router: Application, app_secret: bytes
 ) -> Application:
-    """One deployment for the pool."""
+    """One deployment for the pool; its replicas get the validated sections themselves, not dicts to validate again."""
     options = pool_options(role, pool, kairos)
     if pool.engine == "vllm" and pool.placement().gpu:  # vLLM's workers go into the GPU bundles, as Ray Serve LLM's
         pool = pool.model_copy(update={"engine_kwargs": {"distributed_executor_backend": "ray", **pool.engine_kwargs}})
-    pool_args = pool.model_dump(mode="json", exclude_unset=True)
-    return _deployment(EngineServer).options(**options).bind(role, kairos_args, serving, router, pool_args, app_secret)
+    return _deployment(EngineServer).options(**options).bind(role, kairos, serving, router, pool, app_secret)
 
 
 def build_app(args: AppArgs | dict[str, Any]) -> Application:
     """The application for ``serve run`` / ``serve.run``; ``args`` as in ``kairos_ray.serve.args``."""
     args = AppArgs.model_validate(args) if isinstance(args, dict) else args
-    kairos = args.kairos.model_dump(mode="json")
-    serving = args.serving.model_dump(mode="json")
-    router = _deployment(Router).bind(kairos, args.serving.router_options())
+    kairos, serving = args.kairos, args.serving
+    router = _deployment(Router).bind(kairos, serving.router_options())
     secret = secrets.token_bytes(32)  # this application's engines prove it to each other (KV channel pairs)
     decode = args.decode_config
     vllm = decode.engine == "vllm"  # the ingress renders prompts as the decode engines will see them
@@ -117,10 +110,11 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         ingress = ingress.options(**args.ingress_deployment_config)
     return ingress.bind(
         router,
-        _pool("prefill", args.prefill_config, args.kairos, kairos, serving, router, secret),
-        _pool("decode", decode, args.kairos, kairos, serving, router, secret),
+        _pool(Role.PREFILL, args.prefill_config, kairos, serving, router, secret),
+        _pool(Role.DECODE, decode, kairos, serving, router, secret),
         decode.model_loading_config.model_id,
         serving,
+        kairos.slo,
         decode.model_loading_config.source if vllm else None,
         decode.vllm_engine_kwargs() if vllm else None,  # its tokenizer and served name included
     )

@@ -26,11 +26,24 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kairos_ray.core import DecodeNodeView, Policy, PrefillNodeView
+from kairos_ray.core.estimate import queue_wait_exact_s
+
 logger = logging.getLogger("ray.serve")
 
 PREFILL_WAIT = "prefill_wait_s"
 TBT_HEADROOM = "tbt_headroom_s"
 KV_FREE_SHARE = "kv_free_share"
+
+
+def node_signals(policy: Policy, view: PrefillNodeView | DecodeNodeView) -> dict[str, float]:
+    """What a node reports to Serve for ``KairosPoolPolicy``, from its own view and the policy's model."""
+    params, model = policy.params, policy.decode_model
+    if isinstance(view, PrefillNodeView):
+        return {PREFILL_WAIT: queue_wait_exact_s(model, view, params.prefill_chunk_tokens)}
+    headroom = params.tbt_budget_s - model.step_s(view.batch_size, view.kv_tokens, 0)
+    capacity = view.kv_tokens + view.free_kv_tokens
+    return {TBT_HEADROOM: headroom, KV_FREE_SHARE: view.headroom_kv_tokens / capacity if capacity else 1.0}
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,8 @@ from typing import ParamSpec, TypeVar
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from kairos_ray.messages import NodeId
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -41,8 +43,11 @@ def apart(remote: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
 
 
 def replica_of(node_id: str) -> str:
-    """The replica unique id inside a node id."""
-    return node_id.split("-", 1)[-1]
+    """The replica unique id inside a node id ("" for a string that is none: no replica has that id)."""
+    try:
+        return NodeId.parse(node_id).replica
+    except ValueError:
+        return ""
 
 
 class ChosenNodeRouter(RequestRouter):

@@ -43,6 +43,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray.serve.handle import DeploymentHandle
 
-from kairos_ray.core import Route, block_ids
+from kairos_ray.core import Admission, Route, block_ids
 from kairos_ray.messages import DecisionRequest, EngineRequest, KVHandoff, RoutingReply, TokenEvent, TTFTBreakdown
 from kairos_ray.serve.delivery import apart
 from kairos_ray.serve.metrics import IngressMetrics
@@ -138,6 +139,21 @@ class StreamBroken(Exception):
     def __init__(self, message: str, detail: str = "") -> None:
         super().__init__(message)
         self.message, self.detail = message, detail
+
+
+class Shed(RequestFailed):
+    """Admission shed the request (``core.admission``): 429 at once, with when to come back (``retry_after_s``)."""
+
+    def __init__(self, admission: Admission) -> None:
+        self.retry_after_s = max(1, math.ceil(admission.retry_after_s))  # Retry-After takes whole seconds
+        self.reason = admission.reason.value if admission.reason else ""
+        super().__init__(
+            429,
+            f"the service cannot serve this request within its time-to-first-token objective now; "
+            f"retry after {self.retry_after_s} s",
+            f"{self.reason}: estimated TTFT {admission.ttft_estimate_s:.3f} s, admitted up to "
+            f"{admission.threshold_s:.3f} s",
+        )
 
 
 class _NodeFailed(Exception):
@@ -236,9 +252,17 @@ class Dispatcher:
             return {}
         return {size: block_ids(ids, size) for size in self.block_tokens}
 
-    async def decide(self, request: EngineRequest, avoid: tuple[str, ...]) -> RoutingReply:
+    async def decide(self, request: EngineRequest, avoid: tuple[str, ...], sheddable: bool = True) -> RoutingReply:
+        """The router's reply for ``request`` on the nodes not in ``avoid`` (a fallback when it cannot answer);
+        ``sheddable``: whether admission may shed it (only a request's first try)."""
         wanted = DecisionRequest(
-            request.request_id, request.prompt_tokens, request.max_tokens, avoid, self.block_ids(request)
+            request.request_id,
+            request.prompt_tokens,
+            request.max_tokens,
+            avoid,
+            self.block_ids(request),
+            request.priority,
+            sheddable,
         )
         asked = time.perf_counter()
         try:
@@ -307,8 +331,11 @@ class RequestRun:
         """One try: decide, run the route, wait for the first tokens; raises ``_NodeFailed``."""
         request = dataclasses.replace(request, attempt=self.attempts)
         self.attempts += 1
-        reply = await self.dispatcher.decide(request, tuple(self._avoid))
+        reply = await self.dispatcher.decide(request, tuple(self._avoid), sheddable=self.attempts == 1)
         decision = reply.decision
+        if decision.shed:  # nothing taken yet: answered at once
+            assert decision.admission is not None
+            raise Shed(decision.admission)
         avoid = tuple(self._avoid)
         pools = self.dispatcher
         handoff = None

@@ -19,12 +19,10 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from kairos_ray.config import KairosConfig, resolve_profile
-from kairos_ray.core import PrefillNodeView
-from kairos_ray.core.estimate import queue_wait_exact_s
 from kairos_ray.engines import NodeSpec, build_engine
-from kairos_ray.messages import EngineRequest, KVHandoff, Residue, Role, TokenBatch
+from kairos_ray.messages import EngineRequest, KVHandoff, NodeId, Residue, Role, TokenBatch
 from kairos_ray.serve.args import PoolConfig, ServingConfig
-from kairos_ray.serve.autoscaling import KV_FREE_SHARE, PREFILL_WAIT, TBT_HEADROOM
+from kairos_ray.serve.autoscaling import node_signals
 from kairos_ray.serve.mux import Outbox, RequestKey
 from kairos_ray.serve.router_link import RouterLink
 
@@ -46,18 +44,15 @@ class EngineServer:
 
     async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
         self,
-        role: str,
-        kairos: dict[str, Any],
-        serving: dict[str, Any],
+        role: Role,
+        config: KairosConfig,
+        options: ServingConfig,
         router: DeploymentHandle[Any],
-        pool: dict[str, Any],
+        pool_config: PoolConfig,
         app_secret: bytes = b"",
     ) -> None:
-        config = KairosConfig.model_validate(kairos)
-        options = ServingConfig.model_validate(serving)
-        pool_config = PoolConfig.model_validate(pool)
         context = serve.get_replica_context()
-        self.node_id = f"{role}-{context.replica_id.unique_id}"
+        self.node_id = str(NodeId(role, context.replica_id.unique_id))
         self.policy = config.build_policy()
         self.router = RouterLink(router)
         self.router.bind(asyncio.get_running_loop())
@@ -65,7 +60,7 @@ class EngineServer:
         self._runs: dict[RequestKey, asyncio.Task[None]] = {}  # (request id, attempt) -> its generation here
         spec = NodeSpec(
             node_id=self.node_id,
-            role=Role(role),
+            role=role,
             policy=self.policy,
             profile=str(resolve_profile(config.predictor.profile)),
             prefill_chunk_tokens=config.prefill_chunk_tokens,
@@ -192,10 +187,4 @@ class EngineServer:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Kairos's signals for ``serve.autoscaling.KairosPoolPolicy``, from this node's own view."""
-        view = self.engine.state().view
-        params, model = self.policy.params, self.policy.decode_model
-        if isinstance(view, PrefillNodeView):
-            return {PREFILL_WAIT: queue_wait_exact_s(model, view, params.prefill_chunk_tokens)}
-        headroom = params.tbt_budget_s - model.step_s(view.batch_size, view.kv_tokens, 0)
-        capacity = view.kv_tokens + view.free_kv_tokens
-        return {TBT_HEADROOM: headroom, KV_FREE_SHARE: view.headroom_kv_tokens / capacity if capacity else 1.0}
+        return node_signals(self.policy, self.engine.state().view)

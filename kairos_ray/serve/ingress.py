@@ -13,11 +13,14 @@ One request's path:
    server refuses or the app does not serve (``serve.protocol``); large
    bodies are parsed off the event loop, prompts tokenized on vLLM's
    renderer's threads;
-4. the request runs over the router and the pools (``serve.dispatch``), with
+4. the router decides its route, and admission may shed it (``core.admission``:
+   no route would give its first token within the TTFT objective): 429 at
+   once with ``Retry-After`` from the estimated drain, nothing taken;
+5. the request runs over the router and the pools (``serve.dispatch``), with
    retries before its first token and migrations after it; what cannot be
    served is a 503/504 error object before the first byte, an SSE ``error``
    event then ``[DONE]`` after it;
-5. the answer, streamed or not (``serve.responses``), reports the route,
+6. the answer, streamed or not (``serve.responses``), reports the route,
    nodes and TTFT breakdown in ``x-kairos-*`` headers and in a ``kairos``
    field of the body, which OpenAI clients ignore.
 
@@ -35,6 +38,7 @@ import random
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -42,11 +46,13 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from kairos_ray.messages import EngineRequest, Residue, TokenEvent
+from kairos_ray.config import SLOConfig
+from kairos_ray.messages import SHED_HEADER, EngineRequest, Residue, TokenEvent
+from kairos_ray.metrics import TBT_ALLOWED_SHARE
 from kairos_ray.serve.admission import Admission, GuardedStream
 from kairos_ray.serve.args import ServingConfig
 from kairos_ray.serve.auth import ApiKeys
-from kairos_ray.serve.dispatch import Dispatcher, RequestFailed, RequestRun, ServingLimits, StreamBroken
+from kairos_ray.serve.dispatch import Dispatcher, RequestFailed, RequestRun, ServingLimits, Shed, StreamBroken
 from kairos_ray.serve.live import live_state
 from kairos_ray.serve.metrics import IngressMetrics
 from kairos_ray.serve.protocol import PreparedRequest, RequestError, error_body
@@ -80,6 +86,14 @@ def _error(status: int, message: str, param: str | None = None, headers: dict[st
     return JSONResponse(error_body(message, param, kind, status), status_code=status, headers=headers)
 
 
+@dataclass(slots=True)
+class _Gaps:
+    """One request's gaps between tokens after its first: how many, and how many over the TBT objective."""
+
+    count: int = 0
+    over: int = 0
+
+
 def _parse(body: bytes) -> Any:
     try:
         return json.loads(body)
@@ -103,12 +117,13 @@ class Ingress:
         prefill: DeploymentHandle[Any],
         decode: DeploymentHandle[Any],
         model_id: str,
-        serving: dict[str, Any],
+        opts: ServingConfig,
+        slo: SLOConfig,
         model_source: str | None = None,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.model_id = model_id
-        self.opts = opts = ServingConfig.model_validate(serving)
+        self.opts, self.slo = opts, slo
         self.preprocess = Preprocessor(model_id, opts.context_tokens, model_source, engine_kwargs)
         self.keys = ApiKeys.gather(
             opts.api_keys, opts.api_key_env, opts.api_key_file, opts.admin_api_keys, opts.admin_api_key_env
@@ -264,6 +279,10 @@ class Ingress:
             run = self.dispatcher.run(engine_request)
             try:
                 first = await run.start()
+            except Shed as shed:  # counted, not logged: under overload there are many
+                self.metrics.shed(shed.reason, engine_request.priority)
+                headers = {"Retry-After": str(shed.retry_after_s), SHED_HEADER: shed.reason}
+                return _error(429, f"{shed.message} (request {request_id})", headers=headers)
             except RequestFailed as failed:
                 logger.warning("request %s failed: %s (%s)", request_id, failed.message, failed.detail)
                 return _error(failed.status, f"{failed.message} (request {request_id})")
@@ -285,8 +304,10 @@ class Ingress:
                 return GuardedStream(events, done, media_type="text/event-stream", headers=headers)
             try:
                 tokens = list(first)
-                async for ready in self._timed(run):
+                gaps = _Gaps()
+                async for ready in self._timed(run, gaps):
                     tokens += ready
+                self._judge(run, gaps)
             except StreamBroken as broken:
                 logger.warning("request %s broke: %s (%s)", request_id, broken.message, broken.detail)
                 return _error(503, f"request {request_id} failed after its first token: {broken.message}")
@@ -329,31 +350,43 @@ class Ingress:
             raise RequestError(408, f"request body not received within {self.opts.body_timeout_s:g} s") from None
         return b"".join(chunks)
 
-    async def _timed(self, run: RequestRun) -> AsyncIterator[list[TokenEvent]]:
-        """The tokens after the first ones, observing every gap (tokens that come together: a gap of 0)."""
+    async def _timed(self, run: RequestRun, gaps: _Gaps) -> AsyncIterator[list[TokenEvent]]:
+        """The tokens after the first ones, observing every gap (tokens that come together: a gap of 0) and
+        counting in ``gaps`` those over the TBT objective."""
         tags = {"route": run.route.route.value if run.route else ""}
         last_s = time.monotonic()
-        observe = self.metrics.tbt.observe
+        observe, tbt_s = self.metrics.tbt.observe, self.slo.tbt_s
         async for ready in run.rest():
             now = time.monotonic()
             observe(now - last_s, tags=tags)
             for _ in range(len(ready) - 1):
                 observe(0.0, tags=tags)
+            gaps.count += len(ready)
+            gaps.over += now - last_s > tbt_s
             last_s = now
             yield ready
+
+    def _judge(self, run: RequestRun, gaps: _Gaps) -> None:
+        """Count a request that ended within its objectives (``kairos_ray.metrics``: its TTFT, and at most
+        ``TBT_ALLOWED_SHARE`` of its gaps over tau), for goodput."""
+        assert run.route is not None
+        if run.route.ttft_s <= self.slo.ttft_s and gaps.over <= TBT_ALLOWED_SHARE * gaps.count:
+            self.metrics.attained.inc(tags={"route": run.route.route.value})
 
     async def _sse(self, writer: ResponseWriter, run: RequestRun, first: list[TokenEvent]) -> AsyncGenerator[str, None]:
         """One event per token (or group); the tokens that come together go out in one write."""
         count = len(first)
         yield writer.tokens(first)
+        gaps = _Gaps()
         try:
-            async for ready in self._timed(run):
+            async for ready in self._timed(run, gaps):
                 count += len(ready)
                 yield writer.tokens(ready)
         except StreamBroken as broken:
             logger.warning("request %s broke: %s (%s)", run.request.request_id, broken.message, broken.detail)
             yield writer.error(f"request {run.request.request_id} failed after {count} tokens: {broken.message}")
         else:
+            self._judge(run, gaps)
             if writer.options.include_usage:
                 yield writer.usage(count)
         yield writer.done()

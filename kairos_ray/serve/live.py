@@ -8,7 +8,9 @@ Rolling windows of the last minute, each kept where its data is seen:
 - the ingress's (``IngressWindow``, fed by ``serve.metrics.IngressMetrics``):
   every TTFT and every gap between streamed tokens it measures, how long
   each routing decision took from asking the router to its reply, the
-  fallbacks (the router could not decide) and the rejections. With several
+  fallbacks (the router could not decide), the rejections, the requests
+  admission shed (by reason and priority) and those that ended within their
+  objectives (goodput: how many a second). With several
   ingress replicas, these are the figures of the replica that answered.
 
 ``Router.live`` answers a ``messages.RouterLive`` (a ``NodeLive`` per node,
@@ -65,6 +67,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 DEFLECTED, HANDED_OFF, PREFILLED = "deflect", "handoff", "prefill"
+SHED_KEY = "/"  # joins a shed request's reason and priority in the ingress's window
 
 
 class RouterWindow:
@@ -134,9 +137,17 @@ class IngressWindow:
         self.router_calls: Window[float] = Window(span_s)  # "" -> a decision's time from asking to the reply
         self.fallbacks: Window[float] = Window(span_s)  # route -> 1 per request the router could not decide
         self.rejections: Window[float] = Window(span_s)  # reason -> 1 per refused request
+        self.shed: Window[float] = Window(span_s)  # "reason/priority" -> 1 per request admission shed
+        self.attained: Window[float] = Window(span_s)  # route -> 1 per request within its objectives
 
     def live(self, now: float) -> ServiceLive:
         ttft, calls = self.ttft.values(now), self.router_calls.values(now)
+        by_reason: Counter[str] = Counter()
+        by_priority: Counter[str] = Counter()
+        for key, count in self.shed.keys(now).items():
+            reason, _, priority = key.partition(SHED_KEY)
+            by_reason[reason] += count
+            by_priority[priority] += count
         return ServiceLive(
             window_s=self.span_s,
             num_requests=len(ttft),
@@ -147,6 +158,9 @@ class IngressWindow:
             rejections=dict(self.rejections.keys(now)),
             p50_router_call_s=percentile(calls, 50),
             p99_router_call_s=percentile(calls, 99),
+            shed=dict(by_reason),
+            shed_by_priority=dict(by_priority),
+            goodput_rps=len(self.attained.values(now)) / self.span_s,
         )
 
 

@@ -3,7 +3,7 @@
 | metric | kind | tags | what |
 |---|---|---|---|
 | kairos_decisions | counter | route, reason | routing decisions; reason: decode-faster, prefill-faster, |
-|  |  |  | no-safe-decode-node or fallback |
+|  |  |  | no-safe-decode-node or fallback; route shed: admission's reason |
 | kairos_decision_latency_seconds | histogram | | time the router spends in the policy |
 | kairos_view_staleness_seconds | histogram | | age of the oldest engine report behind a decision |
 | kairos_ttft_seconds | histogram | route | time to first token, at the ingress |
@@ -14,6 +14,8 @@
 | kairos_node_kv_tokens | gauge | node | resident KV tokens on a decode node |
 | kairos_step_seconds | gauge | node, source | last step time: measured, or predicted by the step-latency model |
 | kairos_rejected | counter | reason | requests refused (overload, bad-request, too-large, unauthorized) |
+| kairos_shed | counter | reason, priority | requests admission shed (429): no-route-in-time, or priority |
+| kairos_slo_attained | counter | route | requests that ended within the TTFT and TBT objectives: goodput is its rate |
 | kairos_retries | counter | stage | before_first_token: a failed try run again elsewhere; migration: moved mid-stream |
 | kairos_deadlines | counter | deadline | requests ended by a deadline (first_token) |
 | kairos_kv_recomputes | gauge | node | decode node: hand-offs whose KV was lost or late, recomputed (cumulative) |
@@ -22,7 +24,7 @@
 
 Both metric sets also feed the live view's windows (``serve.live``): the
 router's decisions and reported steps; the ingress's TTFT, TBT, router calls,
-fallbacks and rejections.
+fallbacks, rejections, shed requests and those within their objectives.
 """
 
 from __future__ import annotations
@@ -33,14 +35,18 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from kairos_ray.core import Decision, PrefillNodeView, Route
 from kairos_ray.messages import NodeState
-from kairos_ray.serve.live import IngressWindow, RouterWindow, Window
+from kairos_ray.serve.live import SHED_KEY, IngressWindow, RouterWindow, Window
 
 LATENCY_BOUNDARIES = [1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05]
 CALL_BOUNDARIES = [5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0]  # up to the decision deadline
+SHED = "shed"  # the route tag of a decision admission shed
 SECONDS_BOUNDARIES = [0.01, 0.02, 0.05, 0.07, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
 
 
 def reason_kind(decision: Decision) -> str:
+    if decision.shed:
+        assert decision.admission is not None and decision.admission.reason is not None
+        return decision.admission.reason.value
     if decision.route is Route.DEFLECT:
         return "decode-faster"
     return "no-safe-decode-node" if decision.ttft_decode_s is None else "prefill-faster"
@@ -67,8 +73,11 @@ class RouterMetrics:
         self.window = RouterWindow()
 
     def decided(self, decision: Decision, decision_s: float, staleness_s: float) -> None:
-        self.window.decided(time.monotonic(), decision)
-        self.decisions.inc(tags={"route": decision.route.value, "reason": reason_kind(decision)})
+        """One decision; a shed one counts as route ``shed`` with admission's reason, and sends nothing anywhere."""
+        route = SHED if decision.shed else decision.route.value
+        if not decision.shed:
+            self.window.decided(time.monotonic(), decision)
+        self.decisions.inc(tags={"route": route, "reason": reason_kind(decision)})
         self.latency.observe(decision_s)
         self.staleness.observe(staleness_s)
 
@@ -148,5 +157,16 @@ class IngressMetrics:
         self.rejected = _WindowedCounter(
             Counter("kairos_rejected", "requests refused", tag_keys=("reason",)), self.window.rejections, "reason"
         )
+        self._shed = Counter("kairos_shed", "requests shed by admission (429)", tag_keys=("reason", "priority"))  # type: ignore[arg-type]
+        self.attained = _WindowedCounter(
+            Counter("kairos_slo_attained", "requests within their TTFT and TBT objectives", tag_keys=("route",)),
+            self.window.attained,
+            "route",
+        )
         self.retries = Counter("kairos_retries", "requests re-run after a node failed", tag_keys=("stage",))
         self.deadlines = Counter("kairos_deadlines", "requests ended by a deadline", tag_keys=("deadline",))
+
+    def shed(self, reason: str, priority: int) -> None:
+        """A request admission shed, by its reason and priority class."""
+        self._shed.inc(tags={"reason": reason, "priority": str(priority)})
+        self.window.shed.add(time.monotonic(), f"{reason}{SHED_KEY}{priority}", 1.0)

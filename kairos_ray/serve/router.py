@@ -45,7 +45,7 @@ import logging
 import time
 import uuid
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -283,15 +283,24 @@ class RouterState:
         now: float,
         avoid: Collection[str] = (),
         block_ids: Mapping[int, tuple[int, ...]] | None = None,
+        priority: int = 0,
+        sheddable: bool = True,
     ) -> tuple[Decision, float]:
         """(decision, staleness) on the nodes not in ``avoid``; raises ``MissingState`` while a pool has none.
 
-        ``block_ids``: the prompt's block hashes per block size, for the nodes' cached prefixes (``hits``).
+        ``block_ids``: the prompt's block hashes per block size, for the nodes' cached prefixes (``hits``);
+        ``priority``: vLLM's, which admission sheds by; a request not ``sheddable`` (the retry of an admitted
+        one) is admitted whatever admission says. A shed request leaves the ledger as it was.
         """
         view, staleness = self.view(now, avoid)
-        decision = self.policy.decide(prompt_tokens, view, self.hits(block_ids or {}, prompt_tokens))
+        decision = self.policy.decide(prompt_tokens, view, self.hits(block_ids or {}, prompt_tokens), priority)
+        if decision.shed and not sheddable:
+            assert decision.admission is not None
+            decision = replace(decision, admission=decision.admission.overruled())
         self._drop(request_id)  # a retry replaces its request's earlier entry
         self._drop_handoff(request_id)
+        if decision.shed:
+            return decision, staleness
         self._add(request_id, _Pending(prompt_tokens, output_tokens, decision, now))
         if not self._stale and self._view is not None:
             self._view = apply_decision(self._view, prompt_tokens, decision, output_tokens)
@@ -327,8 +336,8 @@ class RouterActor:
     after another: the ledger needs no lock.
     """
 
-    def __init__(self, kairos: dict[str, Any], options: RouterOptions) -> None:
-        self.config = KairosConfig.model_validate(kairos)
+    def __init__(self, config: KairosConfig, options: RouterOptions) -> None:
+        self.config = config
         self.model = self.config.predictor.load()
         self.hardware = self.config.predictor.hardware()  # read once: every refit rebuilds the policy
         policy = self.config.build_policy(model=self.model, hardware=self.hardware)
@@ -366,7 +375,14 @@ class RouterActor:
             start = time.perf_counter()
             try:
                 decision, staleness = self.state.decide(
-                    r.request_id, r.prompt_tokens, r.output_tokens, time.monotonic(), r.avoid, r.block_ids
+                    r.request_id,
+                    r.prompt_tokens,
+                    r.output_tokens,
+                    time.monotonic(),
+                    r.avoid,
+                    r.block_ids,
+                    r.priority,
+                    r.sheddable,
                 )
             except MissingState as exc:
                 replies.append(RoutingReply.fallback_for(str(exc)))
@@ -425,6 +441,20 @@ class RouterActor:
         self.state.forget_silent_nodes(time.monotonic())
         return dict(self.state.states)
 
+    def use_policy(self, spec: str) -> str:
+        """Decide with the policy ``spec`` names from now on, on the configured model and knobs (what the online
+        refit adopted so far is dropped, and the refit starts over); the spec before.
+
+        For what-if runs on a live app, and for tests that share one app across policies: each starts from the
+        same router, whatever ran before.
+        """
+        before = self.state.policy.spec
+        self.model = self.config.predictor.load()
+        if self.refit is not None:
+            self.refit = OnlineRefit(self.refit.every)
+        self.state.policy = self.config.build_policy(spec, model=self.model, hardware=self.hardware)
+        return before
+
     def residue(self) -> Residue:
         """What the router keeps per request (``messages.Residue``); its ledger expires as it would at a decision."""
         now = time.monotonic()
@@ -451,10 +481,10 @@ class Router:
     methods below forward to the actor for tools and tests.
     """
 
-    async def __init__(self, kairos: dict[str, Any], options: RouterOptions) -> None:  # type: ignore[misc]
+    async def __init__(self, config: KairosConfig, options: RouterOptions) -> None:  # type: ignore[misc]
         """Serve awaits an async constructor: the replica is ready once its actor answers."""
         actor: Any = ray.remote(num_cpus=0, max_restarts=0)(RouterActor)  # an actor class, untyped by Ray
-        self.actor = actor.options(name=f"kairos-router-{uuid.uuid4().hex[:8]}").remote(kairos, options)
+        self.actor = actor.options(name=f"kairos-router-{uuid.uuid4().hex[:8]}").remote(config, options)
         await self.actor.ping.remote()  # the replica is ready once its actor is (its process started, config loaded)
 
     async def handle(self) -> Any:
@@ -463,10 +493,6 @@ class Router:
 
     async def check_health(self) -> None:
         await asyncio.wait_for(self.actor.ping.remote(), ACTOR_PING_TIMEOUT_S)
-
-    async def decide_many(self, requests: list[DecisionRequest]) -> list[RoutingReply]:
-        replies: list[RoutingReply] = await self.actor.decide_many.remote(requests)
-        return replies
 
     async def live(self) -> RouterLive:
         live: RouterLive = await self.actor.live.remote()
@@ -483,3 +509,7 @@ class Router:
     async def residue(self) -> Residue:
         residue: Residue = await self.actor.residue.remote()
         return residue
+
+    async def use_policy(self, spec: str) -> str:
+        before: str = await self.actor.use_policy.remote(spec)
+        return before

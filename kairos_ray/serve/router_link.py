@@ -94,7 +94,8 @@ class RouterLink:
                 self._wire.close()
                 self._wire = None
 
-    async def decide_many(self, requests: list[DecisionRequest]) -> list[RoutingReply]:
+    async def _fetched_then_decided(self, requests: list[DecisionRequest]) -> list[RoutingReply]:
+        """The replies once the handle (and the line, where it opens) has been fetched."""
         actor = await self.actor()
         wire = self._wire
         try:
@@ -110,11 +111,12 @@ class RouterLink:
     def decide_then(self, requests: list[DecisionRequest], answered: Answered, timeout_s: float) -> None:
         """Ask for ``requests``' replies; ``answered`` runs once, with them or with what failed the call (its
         deadline, ``timeout_s``, included). Over the line the call leaves at once and ``answered`` runs in
-        the turn of the loop that reads the reply; otherwise ``decide_many`` runs in a task."""
+        the turn of the loop that reads the reply; otherwise the handle is fetched and the call made in a task.
+        The link's one way to decide (``decide`` awaits it)."""
         loop = asyncio.get_running_loop()
         actor, wire = self._actor, self._wire
         if actor is None or wire is None or wire.closed:
-            task = loop.create_task(asyncio.wait_for(self.decide_many(requests), timeout_s))
+            task = loop.create_task(asyncio.wait_for(self._fetched_then_decided(requests), timeout_s))
             self._deciding.add(task)
             task.add_done_callback(functools.partial(_task_answered, answered))
             task.add_done_callback(self._deciding.discard)
@@ -132,6 +134,17 @@ class RouterLink:
 
         deadline = loop.call_later(timeout_s, expired)
         call_id = wire.submit("decide_many", requests, replied)
+
+    async def decide(self, requests: list[DecisionRequest], timeout_s: float) -> list[RoutingReply]:
+        """``decide_then``, awaited: the replies, or what failed the call raised."""
+        answer: asyncio.Future[list[RoutingReply]] = asyncio.get_running_loop().create_future()
+
+        def answered(replies: Any, error: BaseException | None) -> None:
+            if not answer.done():
+                answer.set_result(replies) if error is None else answer.set_exception(error)
+
+        self.decide_then(requests, answered, timeout_s)
+        return await answer
 
     def report(self, state: NodeState) -> None:
         """Send a node's state without waiting; while the link is down, keep it and fetch the handle.

@@ -7,7 +7,9 @@ instant are handled in ``Kind`` order, then in the order they were created:
 1. ``PREFILL_STEP_END`` and 2. ``DECODE_STEP_END``: finished steps release
    their tokens, KV and batch slots first,
 3. ``KV_ARRIVAL``: KV that lands joins the decode queue,
-4. ``REQUEST_ARRIVAL``: a request arriving at that instant is decided on the
+4. ``KV_WAIT_END``: a KV that has waited ``kv_wait_max_s`` on its prefill node
+   goes to its decode node (unless a finished step above has freed room for it),
+5. ``REQUEST_ARRIVAL``: a request arriving at that instant is decided on the
    state after all of the above, as a router would see it.
 
 Nodes are the state machines of ``kairos_ray.nodes`` (shared with the
@@ -34,18 +36,33 @@ decided with the hits each node's cache holds for it (``PrefixHits``; a
 cache-blind policy ignores them), computed where it lands from its hit on,
 and a hand-off carries only the blocks its decode node lacks
 (``DecodeNode.expect``). Without prefix identity nothing of this runs.
+
+Admission (``PolicyParams.admission``, ``core.admission``), when on: a
+request the policy sheds is recorded as shed and dispatched nowhere. A
+finished prefill's KV goes to its decode node once that node can take it
+within beta * tau (``core.admission.handoff_fits``, counting the hand-offs
+already sent there and not yet in its batch); until then it waits on its
+prefill node, first come first served among those bound for that node, until
+a decode step there that finishes requests frees room, or for
+``kv_wait_max_s`` at most, after which it goes anyway, and the node's
+``join_guard`` still lets it join only within the budget. The wait counts in
+the record's ``kv_transfer_s``. Every ``probe_every``-th shed request is
+also admitted, as decided, in a copy of the simulation taken at its arrival,
+run until that request has finished (``SimResult.probes``): whether a shed
+request would have met its objective, had it been admitted.
 """
 
 from __future__ import annotations
 
+import copy
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
 import numpy as np
 
-from kairos_ray.core import BlockCache, ClusterView, Policy, PrefixHits, Route, StepLatency
+from kairos_ray.core import BlockCache, ClusterView, Policy, PrefixHits, Route, StepLatency, handoff_fits
 from kairos_ray.emulation import ClusterHardware, StepNoise
 from kairos_ray.metrics import RequestRecord
 from kairos_ray.nodes import DecodeNode, Job, PrefillNode
@@ -58,7 +75,8 @@ class Kind(IntEnum):
     PREFILL_STEP_END = 0
     DECODE_STEP_END = 1
     KV_ARRIVAL = 2
-    REQUEST_ARRIVAL = 3
+    KV_WAIT_END = 3
+    REQUEST_ARRIVAL = 4
 
 
 @dataclass
@@ -69,6 +87,7 @@ class SimResult:
     decode_util: float
     events: int
     makespan_s: float
+    probes: dict[int, RequestRecord] = field(default_factory=dict)  # shed request id -> its record, admitted
 
 
 class ClusterSim:
@@ -83,6 +102,7 @@ class ClusterSim:
         num_decode: int,
         prefill_chunk_tokens: int,
         seed: int = 0,
+        probe_every: int = 0,
     ) -> None:
         if num_prefill < 1 or num_decode < 1:
             raise ValueError(f"need at least 1 prefill and 1 decode node, got {num_prefill}P{num_decode}D")
@@ -93,8 +113,15 @@ class ClusterSim:
             PrefillNode(f"prefill-{i}", prefill_chunk_tokens, kv_capacity_tokens=hardware.kv_capacity_tokens)
             for i in range(num_prefill)
         ]
+        join_guard = policy.join_guard()
         self.decode = [
-            DecodeNode(f"decode-{i}", hardware.kv_capacity_tokens, hardware.max_batch_size, policy.chunk_guard())
+            DecodeNode(
+                f"decode-{i}",
+                hardware.kv_capacity_tokens,
+                hardware.max_batch_size,
+                policy.chunk_guard(),
+                join_guard=join_guard,
+            )
             for i in range(num_decode)
         ]
         self._index = {n.node_id: i for i, n in enumerate(self.prefill)} | {
@@ -106,6 +133,14 @@ class ClusterSim:
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self._caches: list[tuple[str, BlockCache]] = []  # every node's prefix cache, once a workload has identity
+        self._protect = policy.params.admission.on  # decode-side protection: KV waits for a node that can take it
+        # per decode node, the prefilled jobs whose KV waits on its prefill node for it, first come first served
+        self._kv_waiting: list[dict[int, Job]] = [{} for _ in range(num_decode)]
+        self._sent = [0] * num_decode  # per decode node: hand-offs whose KV was sent there, not in its batch yet
+        self._sent_kv_tokens = [0] * num_decode  # the KV they will reserve there: prompt and output
+        self.probe_every = probe_every
+        self._num_shed = 0
+        self.probes: dict[int, RequestRecord] = {}
 
     def _push(self, time_s: float, kind: Kind, payload: object) -> None:
         self._seq += 1
@@ -127,8 +162,19 @@ class ClusterSim:
     # ---- event handlers -------------------------------------------------------------------
 
     def _arrive(self, job: Job) -> None:
-        decision = self.policy.decide(job.prompt_tokens, self.view(), self.hits(job))
+        decision = self.policy.decide(job.prompt_tokens, self.view(), self.hits(job), job.priority)
         job.decision = decision
+        if decision.shed:
+            self._num_shed += 1
+            if self.probe_every and (self._num_shed - 1) % self.probe_every == 0:
+                self._probe(job)
+            return
+        self._dispatch(job)
+
+    def _dispatch(self, job: Job) -> None:
+        """Send an admitted job where its decision says."""
+        decision = job.decision
+        assert decision is not None
         if decision.decode_node is None:
             raise RuntimeError("policy named no decode node")
         job.decode_node = self._index[decision.decode_node]
@@ -159,11 +205,65 @@ class ClusterSim:
     def _end_prefill_step(self, node: PrefillNode) -> None:
         done = node.end_step(self.now)
         if done is not None:
-            tokens = self.decode[done.decode_node].expect(done)
-            start = max(self.now, self._link_free_s[done.decode_node])
-            self._link_free_s[done.decode_node] = arrival = start + self.hw.transfer_s(tokens)
-            self._push(arrival, Kind.KV_ARRIVAL, done)
+            if self._protect:
+                self._hand_off(done)
+            else:
+                self._send_kv(done)
         self._start_prefill_step(node)
+
+    def _send_kv(self, job: Job) -> None:
+        """The job's KV leaves its prefill node for its decode node, over that node's link."""
+        tokens = self.decode[job.decode_node].expect(job)
+        start = max(self.now, self._link_free_s[job.decode_node])
+        self._link_free_s[job.decode_node] = arrival = start + self.hw.transfer_s(tokens)
+        self._push(arrival, Kind.KV_ARRIVAL, job)
+
+    # ---- decode-side protection: a KV waits on its prefill node for a decode node that can take it ----
+
+    def _hand_off(self, job: Job) -> None:
+        """Send a prefilled job's KV to its decode node if it can take it now, else let it wait (behind those
+        waiting for that node)."""
+        waiting = self._kv_waiting[job.decode_node]
+        if waiting or not self._takes(job):
+            waiting[job.request_id] = job
+            self._push(self.now + self.policy.params.admission.kv_wait_max_s, Kind.KV_WAIT_END, job)
+            return
+        self._send(job)
+
+    def _takes(self, job: Job) -> bool:
+        """Whether the job's decode node can take its KV now: ``handoff_fits``, the hand-offs sent there and not in
+        its batch yet counted; an idle node with none sent there always can (no batch to protect, no finish to come).
+        """
+        i = job.decode_node
+        node = self.decode[i]
+        if not (node.running or node.deflections or self._sent[i]):
+            return True
+        view = replace(node.view(), incoming_requests=self._sent[i], incoming_kv_tokens=self._sent_kv_tokens[i])
+        cache = node.cache
+        held = cache.cached_tokens(job.block_hashes, job.prompt_tokens) if cache and job.block_hashes else 0
+        model, budget_s = self.policy.decode_model, self.policy.params.tbt_budget_s
+        return handoff_fits(model, view, job.prompt_tokens, budget_s, held, with_deflection=True)
+
+    def _send(self, job: Job) -> None:
+        i = job.decode_node
+        self._sent[i] += 1
+        self._sent_kv_tokens[i] += job.prompt_tokens + job.output_tokens
+        self._send_kv(job)
+
+    def _release_waiting(self, i: int) -> None:
+        """Send the KV waiting for decode node ``i``, first come first served, while it can take the first."""
+        waiting = self._kv_waiting[i]
+        while waiting:
+            job = next(iter(waiting.values()))
+            if not self._takes(job):
+                return
+            del waiting[job.request_id]
+            self._send(job)
+
+    def _kv_wait_ends(self, job: Job) -> None:
+        """A KV that waited ``kv_wait_max_s`` goes to its decode node, to wait in its queue instead."""
+        if self._kv_waiting[job.decode_node].pop(job.request_id, None) is not None:
+            self._send(job)
 
     def _kv_arrives(self, job: Job) -> None:
         node = self.decode[job.decode_node]
@@ -173,6 +273,11 @@ class ClusterSim:
 
     def _start_decode_step(self, node: DecodeNode) -> None:
         step = node.begin_step(self.now)
+        if self._protect and node.joined:
+            i = self._index[node.node_id]
+            for job in node.joined:
+                self._sent[i] -= 1
+                self._sent_kv_tokens[i] -= job.prompt_tokens + job.output_tokens
         if step is None:
             return
         duration = self.truth.step_s(*step, node.prefix_tokens) * self.noise.next()
@@ -181,7 +286,22 @@ class ClusterSim:
     def _end_decode_step(self, event: tuple[DecodeNode, float]) -> None:
         node, duration = event
         node.end_step(self.now, duration)
+        if node.finished and self._protect:
+            self._release_waiting(self._index[node.node_id])
         self._start_decode_step(node)
+
+    # ---- what a shed request would have met ------------------------------------------------
+
+    def _probe(self, job: Job) -> None:
+        """Admit the shed ``job`` as decided in a copy of the simulation, run it to the job's last token, keep
+        its record (``probes``): the ground truth of whether shedding it cost a request that met its objective."""
+        branch, twin = copy.deepcopy((self, job))  # the job is in no queue yet: copied along, as the same job
+        assert twin.decision is not None and twin.decision.admission is not None
+        twin.decision = replace(twin.decision, admission=twin.decision.admission.overruled())
+        branch.probe_every = 0
+        branch._dispatch(twin)
+        branch._loop(None, until=twin)
+        self.probes[job.request_id] = branch._records([twin])[0]
 
     # ---- the run --------------------------------------------------------------------------
 
@@ -193,16 +313,25 @@ class ClusterSim:
                 node.cache = BlockCache(workload.block_tokens)
                 self._caches.append((node.node_id, node.cache))
         requests = [
-            Job(i, r.arrival_s, r.prompt_tokens, r.output_tokens, block_hashes=r.block_hashes)
+            Job(i, r.arrival_s, r.prompt_tokens, r.output_tokens, r.priority, block_hashes=r.block_hashes)
             for i, r in enumerate(workload.requests)
         ]
         self._events = [(r.arrival_s, Kind.REQUEST_ARRIVAL, i, r) for i, r in enumerate(requests)]
         heapq.heapify(self._events)
         self._seq = len(requests)
+        events = self._loop(progress)
+        makespan = self.now
+        busy_prefill = sum(n.busy_s for n in self.prefill) / (len(self.prefill) * makespan) if makespan else 0.0
+        busy_decode = sum(n.busy_s for n in self.decode) / (len(self.decode) * makespan) if makespan else 0.0
+        return SimResult(self._records(requests), requests, busy_prefill, busy_decode, events, makespan, self.probes)
+
+    def _loop(self, progress: Callable[[int], None] | None, until: Job | None = None) -> int:
+        """Handle events until none is left, or ``until`` has finished; returns how many were handled."""
         handlers: dict[int, Callable[[object], None]] = {
             Kind.PREFILL_STEP_END: self._end_prefill_step,  # type: ignore[dict-item]
             Kind.DECODE_STEP_END: self._end_decode_step,  # type: ignore[dict-item]
             Kind.KV_ARRIVAL: self._kv_arrives,  # type: ignore[dict-item]
+            Kind.KV_WAIT_END: self._kv_wait_ends,  # type: ignore[dict-item]
             Kind.REQUEST_ARRIVAL: self._arrive,  # type: ignore[dict-item]
         }
         events = 0
@@ -215,10 +344,9 @@ class ClusterSim:
             events += 1
             if progress is not None and kind == Kind.REQUEST_ARRIVAL:
                 progress(1)
-        makespan = self.now
-        busy_prefill = sum(n.busy_s for n in self.prefill) / (len(self.prefill) * makespan) if makespan else 0.0
-        busy_decode = sum(n.busy_s for n in self.decode) / (len(self.decode) * makespan) if makespan else 0.0
-        return SimResult(self._records(requests), requests, busy_prefill, busy_decode, events, makespan)
+            if until is not None and until.finish_s == until.finish_s:  # not NaN: it has finished
+                break
+        return events
 
     def _records(self, requests: Sequence[Job]) -> list[RequestRecord]:
         durations = [np.asarray(n.durations) for n in self.decode]
@@ -227,6 +355,9 @@ class ClusterSim:
         for r in requests:
             decision = r.decision
             assert decision is not None
+            if decision.shed:
+                records.append(shed_record(r))
+                continue
             deflected = decision.route is Route.DEFLECT
             if deflected:
                 queue_s, exec_s, kv_s, dq_s = (
@@ -259,6 +390,21 @@ class ClusterSim:
                     tbt_gaps_s=durations[r.decode_node][first_gap : r.last_step + 1],
                     cached_tokens=r.cached_tokens,
                     kv_transfer_bytes=0 if deflected else (r.prompt_tokens - r.handoff_cached_tokens) * kv_bytes,
+                    priority=r.priority,
                 )
             )
         return records
+
+
+def shed_record(job: Job) -> RequestRecord:
+    """The record of a request admission shed (``RequestRecord.of_shed``)."""
+    assert job.decision is not None and job.decision.admission is not None
+    reason = job.decision.admission.reason
+    return RequestRecord.of_shed(
+        job.request_id,
+        job.arrival_s,
+        job.prompt_tokens,
+        job.output_tokens,
+        job.priority,
+        reason.value if reason else "",
+    )

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from kairos_ray.config import KairosConfig, SLOConfig, resolve_profile
-from kairos_ray.core import Policy, StepLatencyModel, parse_spec
+from kairos_ray.core import AdmissionMode, Policy, StepLatencyModel, parse_spec
 from kairos_ray.emulation import ClusterHardware, GroundTruth
 from kairos_ray.metrics import (
     RECORD_COLUMNS,
@@ -34,6 +34,7 @@ class SimSetup:
     num_prefill: int = 2
     num_decode: int = 2
     seed: int = 0
+    probe_every: int = 0  # admit every probe_every-th shed request in a copy of the run (0: none; ClusterSim)
 
     @classmethod
     def from_config(
@@ -44,6 +45,11 @@ class SimSetup:
         model = StepLatencyModel.load(path)
         hardware = ClusterHardware.from_profile(path)
         return cls(config, model, hardware, GroundTruth(model, hardware), num_prefill, num_decode, seed)
+
+    def with_admission(self, mode: AdmissionMode) -> SimSetup:
+        """The same setup with the configuration's ``admission.mode`` set to ``mode``."""
+        admission = self.config.admission.model_copy(update={"mode": mode})
+        return replace(self, config=self.config.model_copy(update={"admission": admission}))
 
     def policy(self, spec: str) -> Policy:
         """A core policy by spec, deciding with the predictor (``oracle``: with the noise-free ground truth)."""
@@ -59,8 +65,14 @@ class SimSetup:
             self.num_decode,
             self.config.prefill_chunk_tokens,
             self.seed,
+            self.probe_every,
         )
-        return sim.run(workload.clipped_to_context(self.hardware.context_tokens), progress)
+        result = sim.run(workload.clipped_to_context(self.hardware.context_tokens), progress)
+        for record in result.records:
+            probe = result.probes.get(record.request_id) if record.shed else None
+            if probe is not None:
+                record.would_attain = probe.attains(self.config.slo)
+        return result
 
 
 def check_specs(specs: Sequence[str]) -> None:
@@ -83,9 +95,9 @@ def sweep(
         for spec in specs:
             result = setup.simulate(spec, workload, progress)
             stats = gap_stats(result.records, slo)
-            summary.append(
-                summarize(result.records, slo, spec, rps, result.prefill_util, result.decode_util, stats=stats)
-            )
+            util = (result.prefill_util, result.decode_util)
+            mode = setup.config.admission.mode.value
+            summary.append(summarize(result.records, slo, spec, rps, *util, stats=stats, admission=mode))
             rows.extend(record_rows(result.records, slo, spec, rps, stats))
             by_run[(spec, rps)] = result.records
     return summary, rows, by_run

@@ -10,11 +10,18 @@ hashes of its full blocks of ``Workload.block_tokens`` tokens (``core.prefix``),
 its prompt's first, then those of its answer where the workload knows them
 (the synthetic multi-turn workload does; a trace knows only the prompt's).
 Two requests share exactly the leading blocks whose hashes agree.
+
+A request may carry a priority (vLLM's ``priority``: lower is more
+important, 0 the default), which orders admission's shedding; a workload
+gets a seeded mix of classes with ``Workload.with_priorities``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from kairos_ray.core import BlockHash
 
@@ -25,6 +32,7 @@ class Request:
     prompt_tokens: int
     output_tokens: int  # tokens to generate, the first one included
     block_hashes: tuple[BlockHash, ...] = ()  # chained hashes of its full blocks, prompt then answer; () unknown
+    priority: int = 0  # vLLM's request priority: lower is more important
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,18 @@ class Workload:
                 r = replace(r, prompt_tokens=prompt, output_tokens=output, block_hashes=blocks)
             out.append(r)
         return replace(self, requests=tuple(out), clipped=self.clipped + changed)
+
+    def with_priorities(self, shares: Mapping[int, float], seed: int = 0) -> Workload:
+        """Every request given a priority class drawn at random in proportion to ``shares`` (class -> weight)."""
+        if not shares or min(shares.values()) < 0 or sum(shares.values()) <= 0:
+            raise ValueError(f"priority shares must be non-negative weights, not all 0, got {dict(shares)}")
+        classes = list(shares)
+        weights = np.array([shares[c] for c in classes], dtype=float)
+        drawn = np.random.default_rng(seed).choice(len(classes), size=len(self.requests), p=weights / weights.sum())
+        return replace(
+            self,
+            requests=tuple(replace(r, priority=classes[i]) for r, i in zip(self.requests, drawn.tolist(), strict=True)),
+        )
 
     def head(self, num_requests: int) -> Workload:
         """The first ``num_requests`` requests."""

@@ -2,6 +2,7 @@
 
 import asyncio
 import itertools
+import json
 
 import aiohttp
 import numpy as np
@@ -15,9 +16,11 @@ from kairos_ray.bench.loadgen import (
     Conversations,
     _tokens_per_event,
     prompt_ids,
+    replay,
     sse_lines,
     token_gaps,
 )
+from kairos_ray.workloads import Request, Workload
 from kairos_ray.workloads.multiturn import multiturn
 
 
@@ -106,3 +109,58 @@ def test_streamed_lines_come_whole_however_the_body_is_cut():
             await runner.cleanup()
 
     assert asyncio.run(read()) == lines
+
+
+def shedding_server(sheds: int):
+    """An OpenAI-like completions endpoint that sheds each request's first ``sheds`` tries (429, Retry-After 0,
+    x-kairos-shed) and streams 2 tokens after, answers a 429 of its own (no x-kairos-shed) to priority -1, and
+    counts the tries per prompt."""
+    tries: dict[int, int] = {}
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        rid = body["prompt"][0]
+        tries[rid] = tries.get(rid, 0) + 1
+        if body.get("priority") == -1:
+            return web.json_response({"error": {"message": "server busy"}}, status=429, headers={"Retry-After": "0"})
+        if tries[rid] <= sheds:
+            headers = {"Retry-After": "0", "x-kairos-shed": "no-route-in-time"}
+            return web.json_response({"error": {"message": "shed"}}, status=429, headers=headers)
+        response = web.StreamResponse(headers={"x-kairos-route": "deflect"})
+        await response.prepare(request)
+        for n in (1, 2):
+            event = {"choices": [{"text": "x"}], "usage": {"completion_tokens": n}}
+            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return app, tries
+
+
+@pytest.mark.parametrize("retries", [0, 1, 3])
+def test_a_shed_request_is_recorded_as_shed_or_sent_again_after_its_retry_after(retries):
+    sheds = 2
+    workload = Workload("test", tuple(Request(0.01 * i, 4, 2, priority=-1 if i == 3 else 0) for i in range(4)))
+
+    async def bench() -> tuple[BenchResult, dict[int, int]]:
+        app, tries = shedding_server(sheds)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            return await replay(f"http://127.0.0.1:{runner.addresses[0][1]}", "m", workload, 30, None, retries), tries
+        finally:
+            await runner.cleanup()
+
+    result, tries = asyncio.run(bench())
+    served = [r for r in result.records if not r.shed]
+    shed = [r for r in result.records if r.shed]
+    assert len(result.failures) == 1 and "HTTP 429" in result.failures[0]  # a refusal that is not admission's
+    if retries < sheds:
+        assert not served and [r.shed_reason for r in shed] == ["no-route-in-time"] * 3
+        assert all(0 < r.shed_answer_s < 10 for r in shed)  # how long its 429 took
+    else:
+        assert not shed and [r.output_tokens for r in served] == [2, 2, 2]
+    assert sorted(tries.values()) == [1] + [min(retries, sheds) + 1] * 3  # each sent once, then once per retry

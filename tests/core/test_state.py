@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import reduce
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kairos_ray.core import ClusterView, Decision, DecodeNodeView, PrefillNodeView, Route, apply_decision, node_after
+from kairos_ray.core import (
+    Admission,
+    ClusterView,
+    Decision,
+    DecodeNodeView,
+    PrefillNodeView,
+    Route,
+    ShedReason,
+    apply_decision,
+    node_after,
+)
 
 NODES = ("p0", "p1", "d0", "d1")
 
 
 @st.composite
 def decisions(draw: st.DrawFn) -> tuple[int, Decision, int]:
-    """(prompt tokens, decision, output tokens): to a prefill node and a decode node, or deflected to a decode node."""
+    """(prompt tokens, decision, output tokens): to a prefill node and a decode node, or deflected to a decode node;
+    some of them shed by admission."""
     prompt = draw(st.integers(1, 20_000))
     cached = draw(st.sampled_from((0, 0, draw(st.integers(0, prompt)))))  # mostly cold
     decode = draw(st.sampled_from(("d0", "d1")))
@@ -23,7 +35,20 @@ def decisions(draw: st.DrawFn) -> tuple[int, Decision, int]:
         decision = Decision(Route.DEFLECT, None, decode, schedule, None, 0.1, "test", cached_prompt_tokens=cached)
     else:
         prefill = draw(st.sampled_from(("p0", "p1")))
-        decision = Decision(Route.PREFILL, prefill, decode, (), 0.1, None, "test", cached_prompt_tokens=cached)
+        held = draw(st.integers(0, prompt))
+        decision = Decision(
+            Route.PREFILL,
+            prefill,
+            decode,
+            (),
+            0.1,
+            None,
+            "test",
+            cached_prompt_tokens=cached,
+            receiver_cached_tokens=held,
+        )
+    if draw(st.integers(0, 3)) == 0:
+        decision = replace(decision, admission=Admission(False, ShedReason.NO_ROUTE_IN_TIME, 9.0, 4.0, 5.0))
     return prompt, decision, draw(st.integers(0, 2048))
 
 
@@ -47,6 +72,8 @@ def reported(draw: st.DrawFn, node_id: str) -> PrefillNodeView | DecodeNodeView:
         committed_cached_tokens=cached,
         incoming_requests=draw(st.integers(0, 3)),
         incoming_kv_tokens=draw(st.integers(0, 20_000)),
+        incoming_transfers=draw(st.integers(0, 3)),
+        incoming_transfer_tokens=draw(st.integers(0, 20_000)),
     )
 
 
@@ -58,6 +85,19 @@ def test_a_node_rebuilt_in_one_pass_equals_its_decisions_applied_one_by_one(data
         alone = ClusterView((node,), ()) if isinstance(node, PrefillNodeView) else ClusterView((), (node,))
         folded = reduce(lambda view, d: apply_decision(view, d[0], d[1], d[2]), decided, alone)
         assert node_after(node, decided) == (folded.prefill or folded.decode)[0]
+
+
+def test_a_handoff_counts_on_its_decode_node_with_what_its_link_carries_and_a_shed_one_nowhere():
+    view = ClusterView((PrefillNodeView("p0"),), (DecodeNodeView("d0", 3, 1000, 50_000),))
+    handoff = Decision(Route.PREFILL, "p0", "d0", (), 1.0, None, "test", receiver_cached_tokens=300)
+    after = apply_decision(view, 1000, handoff, 100)
+    assert after.prefill[0].queued_prompt_tokens == (1000,)
+    assert (after.decode[0].incoming_requests, after.decode[0].incoming_kv_tokens) == (1, 1100)
+    assert (after.decode[0].incoming_transfers, after.decode[0].incoming_transfer_tokens) == (1, 700)
+    shed = replace(handoff, admission=Admission(False, ShedReason.PRIORITY, 1.0, 0.75, 1.0))
+    assert shed.shed and apply_decision(view, 1000, shed, 100) == view
+    deflect = Decision(Route.DEFLECT, None, "d0", (1000,), None, 1.0, "test")
+    assert apply_decision(view, 1000, replace(deflect, admission=shed.admission), 100) == view
 
 
 def test_a_node_no_decision_touches_is_returned_as_it_is():

@@ -18,6 +18,7 @@ from kairos_ray.emulation import ClusterHardware
 from kairos_ray.engines import EngineOptions, NodeSpec, build_engine
 from kairos_ray.engines.emulated import BLOCK_TOKENS, EmulatedEngine, token_id
 from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role
+from tests import shared_ray
 
 pytestmark = pytest.mark.ray
 
@@ -29,6 +30,7 @@ PROMPT = tuple(range(3000))  # a prompt given as token ids: its blocks have an i
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_session():
+    shared_ray.stop()
     ray.init(address="local", num_cpus=2, include_dashboard=False)  # its own, whatever else runs here
     yield
     ray.shutdown()

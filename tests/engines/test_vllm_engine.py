@@ -19,6 +19,7 @@ from kairos_ray.engines.reporting import StateReporter
 from kairos_ray.engines.vllm_engine import VllmEngine
 from kairos_ray.kv.channel import ChannelTicket, KVChannel
 from kairos_ray.messages import EngineRequest, KVHandoff, Role
+from tests import shared_ray
 from tests.engines.tiny import GREEDY, PROMPTS, TINY_KWARGS, node_pair
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
@@ -63,6 +64,7 @@ def never(seconds: float) -> bytes:
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     """(run, prefill engine, decode engine, states pushed by each)."""
+    shared_ray.stop()
     ray.init(address="local", num_cpus=2, include_dashboard=False)  # its own, whatever else runs here
     states = {"prefill": [], "decode": []}
 

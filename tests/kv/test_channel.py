@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from kairos_ray.kv.channel import NCCL_ERRORS_RAISE, ChannelError, KVChannel, raise_nccl_errors
+from tests import shared_ray
 from tests.kv.guarded_handoffs import HAND_OFFS
 
 pytestmark = pytest.mark.ray
@@ -69,6 +70,7 @@ class Sender:
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_session():
+    shared_ray.stop()
     ray.init(address="local", num_cpus=2, include_dashboard=False)  # its own, whatever else runs here
     yield
     ray.shutdown()

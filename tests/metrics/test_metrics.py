@@ -58,6 +58,42 @@ def test_summary_by_hand():
     assert row["slo_met"] is False
 
 
+def test_shed_requests_count_as_offered_and_missed_and_nowhere_else():
+    shed = replace(
+        record(2, float("nan"), [], route="shed", finish=float("nan")), prefill_node="", decode_node="", shed_reason="x"
+    )
+    records = [
+        record(0, 0.2, [0.01]),
+        record(1, 2.0, [0.01], route="deflect"),
+        replace(shed, would_attain=True),
+        replace(shed, request_id=3, would_attain=False),
+        replace(shed, request_id=4),
+    ]
+    row = summarize(records, SLO, "kairos", 5.0, admission="shed")
+    assert row["admission"] == "shed" and row["requests"] == 5 and row["deflections"] == 1
+    assert row["goodput_rps"] == pytest.approx(5.0 * 1 / 5)  # one of five offered attains
+    assert row["shed_pct"] == pytest.approx(60.0)
+    assert row["slo_attainment_pct"] == pytest.approx(20.0)
+    assert row["admitted_slo_attainment_pct"] == pytest.approx(50.0)
+    assert row["p50_ttft_s"] == pytest.approx(1.1)  # the admitted requests' TTFTs only
+    assert row["throughput_tok_s"] == pytest.approx(4 / 10.0)
+    assert (row["shed_probed"], row["shed_would_attain_pct"]) == (2, 50.0)
+    rows = record_rows(records, SLO, "kairos", 5.0)
+    assert (rows[2]["route"], rows[2]["shed_reason"], rows[2]["would_attain"], rows[2]["attains_slo"]) == (
+        "shed",
+        "x",
+        True,
+        False,
+    )
+    assert rows[4]["would_attain"] == "" and rows[0]["shed_reason"] == ""
+
+
+def test_goodput_counts_failed_requests_as_offered():
+    row = summarize([record(0, 0.2, [0.01])], SLO, "live", 2.0, failed=1)
+    assert row["goodput_rps"] == pytest.approx(1.0) and row["shed_pct"] == 0.0
+    assert np.isnan(row["shed_would_attain_pct"]) and row["shed_probed"] == 0
+
+
 def test_record_rows_carry_every_column():
     (row,) = record_rows([record(0, 0.2, [0.01, 0.03])], SLO, "pd", 2.0)
     assert row["num_tbt_gaps"] == 2 and row["max_tbt_s"] == pytest.approx(0.03)

@@ -3,8 +3,12 @@
 import csv
 import json
 
+import pytest
+
 from kairos_ray.core import StepLatencyModel
 from tests.test_cli import kairos
+
+pytestmark = pytest.mark.vllm
 
 
 def test_profile_measures_the_grid_and_fits(tmp_path):

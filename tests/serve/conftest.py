@@ -1,4 +1,4 @@
-"""One real local Ray cluster with the two node-group resources, and a Kairos app on it, per module."""
+"""A Kairos app per module on one real local Ray (the two node-group resources), shared by the modules."""
 
 import contextlib
 import re
@@ -7,21 +7,32 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from ray import serve
 from ray.serve._private.api import serve_start
 from ray.serve.schema import ServeDeploySchema
 
 from kairos_ray.bench import faults
-from kairos_ray.bench.local import free_port, local_serve
 from kairos_ray.core import block_ids
 from kairos_ray.messages import Residue
 from kairos_ray.serve import build_app
+from tests import shared_ray
 
-MODEL = "deepseek-v2-lite"
+MODEL = "deepseek-v2-lite"  # the emulated apps'
+CPU_MODEL = "tiny-llama"  # the vLLM CPU apps' (the shipped random-weight model)
+CPU_CONTEXT = 1024  # the vLLM CPU app's context: a request without max_tokens, which runs to its end, ends soon
+CONFIGS = Path(__file__).resolve().parents[2] / "serve_configs"
 
 
-def app_args(**serving):
-    """2P2D emulated app args; ``serving`` overrides the serving section."""
+def args_of(name: str) -> dict:
+    """The app arguments of a shipped Serve config."""
+    (app,) = yaml.safe_load((CONFIGS / name).read_text())["applications"]
+    assert app["import_path"] == "kairos_ray.serve:build_app"
+    return app["args"]
+
+
+def app_args(kairos=None, **serving):
+    """2P2D emulated app args; ``kairos`` (the Kairos configuration) and ``serving`` override their sections."""
     pool = lambda resource: {  # noqa: E731
         "model_loading_config": {"model_id": MODEL},
         "engine": "emulated",
@@ -30,28 +41,21 @@ def app_args(**serving):
     return {
         "prefill_config": pool("prefill_node"),
         "decode_config": pool("decode_node"),
-        "kairos": {"policy": {"name": "kairos"}},
+        "kairos": kairos or {"policy": {"name": "kairos"}},
         "serving": {"max_in_flight": 48, "refit_every_steps": 200, "expose_routing": True, **serving},
     }
 
 
 @contextlib.contextmanager
-def running_app(
-    args: dict | None,
-    model: str,
-    ready_within_s: float,
-    *,
-    config: dict | None = None,
-    dashboard_port: int | None = None,
-    num_cpus: int = 2,
-):
-    """(base URL, metrics URL) of the app on a fresh local Ray; everything is shut down afterwards.
+def running_app(args: dict | None, model: str, ready_within_s: float, *, config: dict | None = None):
+    """(base URL, metrics URL) of the app on the session's shared Ray (``tests/shared_ray.py``), deleted afterwards
+    with every other app the module deployed there.
 
-    The app is ``build_app(args)``, or the Serve config ``config`` deployed as ``serve run config.yaml`` does.
-    With ``dashboard_port``, Ray's dashboard listens there on 127.0.0.1.
+    The app is ``build_app(args)``, or the Serve config ``config`` deployed as ``serve run config.yaml`` does
+    (Serve then takes no app deployed the other way: the shared cluster is stopped after it).
     """
-    metrics_port = free_port()
-    with local_serve(num_cpus=num_cpus, dashboard_port=dashboard_port, metrics_port=metrics_port) as url:
+    cluster = shared_ray.start()
+    try:
         if config is None:
             serve.run(build_app(args), name="kairos", route_prefix="/")
         else:
@@ -60,7 +64,9 @@ def running_app(
         while time.monotonic() < deadline:  # until every engine has reported to the router
             try:
                 r = httpx.post(
-                    f"{url}/v1/completions", json={"model": model, "prompt": "warm up", "max_tokens": 1}, timeout=30
+                    f"{cluster.url}/v1/completions",
+                    json={"model": model, "prompt": "warm up", "max_tokens": 1},
+                    timeout=30,
                 )
                 if r.status_code == 200 and r.headers["x-kairos-fallback"] == "0":
                     break
@@ -69,7 +75,46 @@ def running_app(
             time.sleep(0.5)
         else:
             pytest.fail(f"the app did not come up within {ready_within_s} s")
-        yield url, f"http://127.0.0.1:{metrics_port}/metrics"
+        yield cluster.url, cluster.metrics_url
+    finally:
+        if config is None:
+            for name in list(serve.status().applications):
+                serve.delete(name)
+        else:
+            shared_ray.stop()
+
+
+def cpu_args() -> dict:
+    """``serve_configs/2p2d-cpu.yaml`` on one prefill node and its two decode nodes, a 1,024-token context."""
+    args = args_of("2p2d-cpu.yaml")
+    # cache-blind, until a module asks for another policy (use_policy): tests that send the same prompts again need
+    # their routes fixed, where a prefix-aware policy would deflect a repeated long prompt to the node holding it
+    args["kairos"]["policy"]["name"] = "sl:400+blind"
+    args["kairos"]["policy"]["static_chunk_tokens"] = 128  # deflections run in several chunks
+    # four CPU engines sharing two cores run several times slower than their profile says, and the online refit
+    # learns it: admission would then shed these tests' requests, which test routes (admission: the emulated app)
+    args["kairos"]["admission"] = {"mode": "off"}
+    args["serving"]["engine_stall_timeout_s"] = 8.0  # a stopped engine core shows within seconds
+    args["serving"]["context_tokens"] = CPU_CONTEXT
+    args["prefill_config"]["deployment_config"]["num_replicas"] = 1
+    for pool in ("prefill_config", "decode_config"):
+        args[pool]["engine_kwargs"] = {**args[pool]["engine_kwargs"], "max_model_len": CPU_CONTEXT}
+    return args
+
+
+@pytest.fixture(scope="package")
+def cpu_app():
+    """The vLLM CPU app (``cpu_args``), started once for every module of real vLLM engines (each engine takes tens
+    of seconds to start on two cores): (base URL, metrics URL). A module that decides with another policy than
+    ``sl:400+blind`` sets it (``use_policy``)."""
+    with running_app(cpu_args(), CPU_MODEL, ready_within_s=420) as urls:
+        yield urls
+
+
+def use_policy(spec: str, app_name: str = "kairos") -> str:
+    """Make the running app's router decide with the policy ``spec`` names; the spec before."""
+    before: str = serve.get_deployment_handle("Router", app_name=app_name).use_policy.remote(spec).result(timeout_s=60)
+    return before
 
 
 def wait_for_prefix(node: str, prompt: list[int], block_tokens: int, tokens: int, within_s: float = 30) -> None:
@@ -119,6 +164,7 @@ def wait_for_series(metrics_url: str, names: list[str], within_s: float = 90) ->
 
 @pytest.fixture(scope="module")
 def live_app():
-    """The emulated 2P2D app: (base URL, metrics URL)."""
-    with running_app(app_args(), MODEL, ready_within_s=120) as urls:
+    """The emulated 2P2D app, admission on as the shipped configs have it: (base URL, metrics URL)."""
+    kairos = {"policy": {"name": "kairos"}, "admission": {"mode": "shed"}}
+    with running_app(app_args(kairos), MODEL, ready_within_s=120) as urls:
         yield urls

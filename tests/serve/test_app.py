@@ -17,7 +17,7 @@ from ray import serve
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kairos_ray.engines.emulated import BLOCK_TOKENS, VOCAB, token_id
-from kairos_ray.messages import Role
+from kairos_ray.messages import LiveState, Role
 from kairos_ray.serve import build_app
 
 from .conftest import MODEL, app_args, dashboard_series, wait_for_prefix, wait_for_series
@@ -174,20 +174,59 @@ def test_malformed_json_is_a_400_and_the_service_keeps_serving(live_app):
 def test_overload_answers_429_with_retry_after_and_loses_nothing(live_app):
     url, _ = live_app
 
-    responses = at_once(url, 90, prompt=list(range(500)), max_tokens=60)
+    # each runs for seconds (300 tokens), so the 90 overlap however fast the ingress takes them
+    responses = at_once(url, 90, prompt=list(range(500)), max_tokens=300)
     codes = [r.status_code for r in responses]
     assert set(codes) == {200, 429}, codes
     for r in responses:
         if r.status_code == 429:
             assert r.headers["retry-after"] == "1" and r.json()["error"]["message"].startswith("server busy")
         else:
-            assert r.json()["usage"]["completion_tokens"] == 60  # every admitted request completes
+            assert r.json()["usage"]["completion_tokens"] == 300  # every admitted request completes
     assert httpx.get(f"{url}/health").json()["in_flight"] == 0
+
+
+SHED_PROMPT = 30_000  # its prefill alone takes 3.8 s on the A100 profile: past 0.9 x the 4 s objective everywhere
+
+
+def test_a_request_no_route_serves_in_time_is_shed_at_once_with_429_and_retry_after(live_app):
+    url, _ = live_app
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": list(range(SHED_PROMPT)), "max_tokens": 4, "stream": stream}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as shed:
+            shed.read()
+        assert shed.status_code == 429, shed.text
+        assert shed.headers["x-kairos-shed"] == "no-route-in-time" and int(shed.headers["retry-after"]) >= 1
+        error = shed.json()["error"]
+        assert error["type"] == "rate_limit_error" and "time-to-first-token objective" in error["message"]
+        assert "Traceback" not in shed.text
+    # a prompt whose prefill fits the objective is served
+    assert completion(url, prompt=list(range(SHED_PROMPT // 2)), max_tokens=4).status_code == 200
+    assert httpx.get(f"{url}/health").json()["in_flight"] == 0
+
+
+def test_a_less_important_request_is_shed_first_and_an_important_one_served(live_app):
+    url, _ = live_app
+    # priority 40 may use 0.75 ** 40 of the objective (a few microseconds): no first token comes that soon
+    low = completion(url, prompt=list(range(300)), max_tokens=4, priority=40)
+    assert low.status_code == 429 and low.headers["x-kairos-shed"] == "priority", low.text
+    assert completion(url, prompt=list(range(300)), max_tokens=4, priority=0).status_code == 200
+    assert completion(url, prompt=list(range(300)), max_tokens=4, priority=-5).status_code == 200
+    # the live view counts it by reason and by class, and the served ones in goodput
+    deadline = time.monotonic() + 30
+    while True:
+        service = LiveState.from_json(httpx.get(f"{url}/kairos/state", timeout=30).json()).service
+        if service.shed_by_priority.get("40") or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert service.shed.get("priority", 0) >= 1 and service.shed_by_priority.get("40", 0) >= 1
+    assert service.goodput_rps > 0
 
 
 def test_metrics_reach_the_prometheus_endpoint_and_cover_the_dashboard(live_app):
     url, metrics_url = live_app
     completion(url, prompt=list(range(1000)), max_tokens=4)
+    assert completion(url, prompt=list(range(300)), max_tokens=4, priority=40).status_code == 429  # ray_kairos_shed
     queried = dashboard_series("ray_kairos_")  # the vLLM engines' ray_vllm_* series: test_ray_llm_config.py
     assert len(queried) >= 10
     text = wait_for_series(metrics_url, queried)

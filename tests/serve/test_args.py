@@ -8,16 +8,13 @@ import yaml
 from pydantic import ValidationError
 from ray.llm._internal.serve.constants import DEFAULT_MAX_TARGET_ONGOING_REQUESTS
 
+from kairos_ray.core import AdmissionMode
+from kairos_ray.messages import NodeId, Role
 from kairos_ray.serve import REQUEST_TIMEOUT_S, build_app, pool_options
 from kairos_ray.serve.args import AppArgs
+from kairos_ray.serve.delivery import replica_of
 
-CONFIGS = Path(__file__).resolve().parents[2] / "serve_configs"
-
-
-def args_of(name: str) -> dict:
-    (app,) = yaml.safe_load((CONFIGS / name).read_text())["applications"]
-    assert app["import_path"] == "kairos_ray.serve:build_app"
-    return app["args"]
+from .conftest import CONFIGS, args_of
 
 
 @pytest.mark.parametrize(
@@ -37,8 +34,10 @@ def test_shipped_configs_validate(name, nodes):
 def test_shipped_configs_bound_every_request_and_show_routes_only_locally(name, exposed):
     config = yaml.safe_load((CONFIGS / name).read_text())
     assert config["http_options"]["request_timeout_s"] == REQUEST_TIMEOUT_S
-    serving = AppArgs.model_validate(args_of(name)).serving
+    args = AppArgs.model_validate(args_of(name))
+    serving = args.serving
     assert serving.expose_routing is exposed and serving.require_api_key is not exposed
+    assert args.kairos.admission.mode is AdmissionMode.SHED  # past capacity, a fast 429 rather than a queue
 
 
 @pytest.mark.parametrize("name", ["2p2d.yaml", "1p1d.yaml"])
@@ -219,9 +218,19 @@ def test_the_serving_section_sets_the_routers_hand_off_ttl_and_refit():
     args = args_of("2p2d-emulated.yaml")
     args["serving"] = {"handoff_ttl_s": 7.5, "refit_every_steps": 40}
     app = AppArgs.model_validate(args)
-    router = RouterActor(app.kairos.model_dump(mode="json"), app.serving.router_options())
+    ray_before = ray.is_initialized()  # the whole suite's shared Ray may be up (tests/shared_ray.py)
+    router = RouterActor(app.kairos, app.serving.router_options())
     assert router.state.handoff_ttl_s == 7.5 and router.refit is not None
-    assert not ray.is_initialized()  # built outside an actor, it starts no Ray (the tests after would join it)
+    assert ray.is_initialized() == ray_before  # built outside an actor, it starts no Ray (later tests would join it)
     args["serving"] = {"handoff_ttl_s": 0}
     with pytest.raises(ValidationError, match=r"serving\.handoff_ttl_s"):
         AppArgs.model_validate(args)
+
+
+def test_a_node_id_names_its_role_and_replica_and_nothing_else_reads_as_one():
+    node = NodeId(Role.DECODE, "ab12cd34")
+    assert str(node) == "decode-ab12cd34" and NodeId.parse(str(node)) == node
+    for junk in ("Router", "decode-", "prefill-a-b", "gpu-ab12", ""):
+        with pytest.raises(ValueError, match="no node id"):
+            NodeId.parse(junk)
+    assert replica_of("decode-ab12cd34") == "ab12cd34" and replica_of("Router") == ""

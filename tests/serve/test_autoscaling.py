@@ -15,10 +15,9 @@ from kairos_ray.messages import Role
 from kairos_ray.serve import build_app
 from kairos_ray.serve.args import AppArgs
 from kairos_ray.serve.autoscaling import KV_FREE_SHARE, PREFILL_WAIT, TBT_HEADROOM, KairosPoolPolicy
+from tests import shared_ray
 
 from .conftest import MODEL, app_args
-
-pytestmark = pytest.mark.ray
 
 PREFILL = KairosPoolPolicy(
     "prefill", ttft_slo_s=4.0, wait_share=0.5, quiet_share=0.1, upscale_after_s=5, downscale_after_s=30, cooldown_s=30
@@ -86,6 +85,7 @@ def test_autoscaling_args_are_checked():
 def node_groups(monkeypatch):
     """A head (CPU) plus two prefill-group nodes and one decode-group node, as separate Ray nodes."""
     monkeypatch.setenv("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")  # inherited by replicas
+    shared_ray.stop()  # this test's Ray has nodes of its own
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     prefill_nodes = [cluster.add_node(num_cpus=0, resources={"prefill_node": 1}) for _ in range(2)]
     cluster.add_node(num_cpus=0, resources={"decode_node": 1})
@@ -98,6 +98,7 @@ def node_groups(monkeypatch):
         cluster.shutdown()
 
 
+@pytest.mark.ray
 def test_sustained_burst_adds_a_prefill_replica_and_quiet_removes_it(node_groups):
     port = free_port()
     args = app_args(max_in_flight=1024)  # admission is not under test: the whole burst is admitted, however slow
@@ -156,3 +157,17 @@ def test_sustained_burst_adds_a_prefill_replica_and_quiet_removes_it(node_groups
     assert running_prefill_replicas() == 1, "the prefill pool never shrank back"
     assert len(trickle) >= 4
     assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3 for r in trickle)
+
+
+def test_a_node_reports_its_queue_wait_or_its_tbt_headroom_and_free_kv():
+    from kairos_ray.config import KairosConfig
+    from kairos_ray.core import DecodeNodeView, PrefillNodeView
+    from kairos_ray.serve.autoscaling import KV_FREE_SHARE, PREFILL_WAIT, TBT_HEADROOM, node_signals
+
+    policy = KairosConfig().build_policy()
+    idle, queued = (node_signals(policy, PrefillNodeView("p0", q)) for q in ((), (8000, 8000)))
+    assert idle == {PREFILL_WAIT: 0.0} and queued[PREFILL_WAIT] > 0.0
+    empty = node_signals(policy, DecodeNodeView("d0", 0, 0, 100_000))
+    busy = node_signals(policy, DecodeNodeView("d0", 32, 60_000, 40_000))
+    assert busy[TBT_HEADROOM] < empty[TBT_HEADROOM] and empty[KV_FREE_SHARE] == 1.0
+    assert busy[KV_FREE_SHARE] == pytest.approx(0.4)

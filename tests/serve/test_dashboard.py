@@ -21,9 +21,9 @@ import httpx
 import pytest
 import yaml
 
-from kairos_ray.bench.local import free_port
 from kairos_ray.bench.serving_cost import cpu_s, router_calls, serving_processes
 from kairos_ray.messages import LiveState, Role
+from tests import shared_ray
 
 from .conftest import MODEL, app_args, running_app
 
@@ -37,9 +37,8 @@ CHROMIUM = next((shutil.which(name) for name in ("chromium", "chromium-browser")
 @pytest.fixture(scope="module")
 def dashboard_app():
     """(app URL, dashboard URL) of the emulated app, with Ray's dashboard on."""
-    port = free_port()
-    with running_app(app_args(), MODEL, ready_within_s=180, dashboard_port=port) as (url, _):
-        yield url, f"http://127.0.0.1:{port}"
+    with running_app(app_args(), MODEL, ready_within_s=180) as (url, _):
+        yield url, shared_ray.start().dashboard_url
 
 
 def tool(*args: str, timeout_s: float = 120) -> str:
@@ -165,7 +164,8 @@ def test_kairos_top_once_prints_every_nodes_line(dashboard_app):
     for node in nodes:  # a line per node, its id first, then its queue
         (line,) = [line for line in lines if line.split()[:1] == [node.node_id]]
         assert line.split()[1].isdigit()
-    assert "requests" in lines[-1] and "P95 TTFT" in lines[-1] and "rejected" in lines[-1]
+    assert "requests" in lines[-2] and "P95 TTFT" in lines[-2] and "rejected" in lines[-2]
+    assert re.fullmatch(r"admission: \d+ shed.*, goodput [0-9.]+ req/s within the SLO", lines[-1]), lines[-1]
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (Debian package tmux; scripts/setup.sh)")

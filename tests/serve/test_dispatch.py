@@ -4,8 +4,16 @@ import asyncio
 
 import pytest
 
+from kairos_ray.core import Admission, Decision, Route, ShedReason
 from kairos_ray.messages import DecisionRequest, RoutingReply
-from kairos_ray.serve.dispatch import DecisionBatcher, RequestFailed, ServingLimits, StreamBroken, migration_blocker
+from kairos_ray.serve.dispatch import (
+    DecisionBatcher,
+    RequestFailed,
+    ServingLimits,
+    Shed,
+    StreamBroken,
+    migration_blocker,
+)
 from tests.serve.fakes import LIMITS, FakeCluster, deflect_to, hand_off, request, until
 
 
@@ -156,6 +164,50 @@ def test_a_broken_subscription_moves_its_requests_and_migrations_run_out():
     cluster = run(scenario)
     assert [node for node, _, _ in cluster.decode.started] == ["decode-a", "decode-b"]
     assert sum(cluster.dispatcher.mux.residue().values()) == 0
+
+
+def shed_unless_retried(r):
+    """A router whose admission sheds every sheddable request (with a 2.4 s retry-after) and deflects the rest."""
+    if not r.sheddable:
+        return deflect_to("decode-b")(r)
+    verdict = Admission(False, ShedReason.NO_ROUTE_IN_TIME, 9.0, 3.6, 2.4)
+    return Decision(Route.PREFILL, "prefill-a", "decode-a", (), 9.0, 9.5, "in time nowhere", admission=verdict)
+
+
+def test_a_shed_request_fails_at_once_with_429_having_called_no_node():
+    async def scenario():
+        cluster = FakeCluster(shed_unless_retried)
+        run_ = cluster.dispatcher.run(request(priority=3))
+        with pytest.raises(Shed) as shed:
+            await run_.start()
+        run_.close()
+        return cluster, shed.value
+
+    cluster, shed = run(scenario)
+    assert (shed.status, shed.retry_after_s, shed.reason) == (429, 3, "no-route-in-time")  # whole seconds, up
+    assert "9.000 s" in shed.detail and "9.000" not in shed.message  # the estimate goes to the log only
+    assert [(r.priority, r.sheddable) for r in cluster.router.asked] == [(3, True)]
+    assert cluster.prefill.prefill.calls == [] and cluster.decode.started == []
+    assert sum(cluster.dispatcher.mux.residue().values()) == 0
+
+
+def test_a_retry_of_an_admitted_request_is_never_shed():
+    async def scenario():
+        tries = iter([deflect_to("decode-a"), shed_unless_retried])  # admitted, its node fails, then asked again
+        cluster = FakeCluster(lambda r: next(tries)(r))
+        cluster.decode.refuse["decode-a"] = RuntimeError("replica died")
+        req = request(max_tokens=1)
+        run_ = cluster.dispatcher.run(req)
+        starting = asyncio.ensure_future(run_.start())
+        await until(lambda: cluster.decode.started)
+        cluster.decode.emit("decode-b", req, 0, 1, last=True)
+        first = await starting
+        run_.close()
+        return cluster, first
+
+    cluster, first = run(scenario)
+    assert first[0].node_id == "decode-b"
+    assert [r.sheddable for r in cluster.router.asked] == [True, False]
 
 
 def test_no_first_token_within_the_deadline_is_a_504_and_aborts_the_run():

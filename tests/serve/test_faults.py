@@ -26,12 +26,14 @@ from kairos_ray.engines.emulated import token_id
 from kairos_ray.messages import Role
 from kairos_ray.serve import build_app
 
+from .bodies import BODIES
 from .conftest import MODEL, app_args, running_app, wait_for_no_residue
 
 pytestmark = pytest.mark.ray
 
 KEY = "sk-kairos-test"  # a tenant's key on the secured app
 ADMIN = "sk-kairos-admin"  # its operator's
+DECODERS = "decoders"  # the decode pool's deployment, named otherwise than its role
 LIMITS = {
     "first_token_timeout_s": 8.0,
     "token_stall_timeout_s": 3.0,
@@ -44,6 +46,7 @@ LIMITS = {
 def app():
     args = app_args(**LIMITS)
     args["kairos"]["policy"]["name"] = "sl:2000"
+    args["decode_config"]["deployment_config"]["name"] = DECODERS  # the faults find a pool by its nodes, not its name
     with running_app(args, MODEL, ready_within_s=120) as (url, metrics_url):
         # a second app: tenant and admin keys, no routing shown to tenants, no migration
         secured = app_args(
@@ -422,42 +425,14 @@ def test_a_failure_behind_a_remote_error_shows_the_client_no_traceback_and_names
 
 
 def test_the_ray_session_is_the_apps(app):
-    """A guard on the helpers above: the fault injection finds this app's replicas."""
-    assert len(faults.replica_names("kairos", "decode")) == 2 and ray.is_initialized()
+    """A guard on the helpers above: the fault injection finds this app's replicas, by their node ids."""
+    assert len(faults.replica_names("kairos", DECODERS)) == 2 and ray.is_initialized()
+    for node, state in node_states().items():
+        expected = DECODERS if state.role is Role.DECODE else "prefill"
+        assert faults.deployment_of("kairos", node) == expected
 
 
-JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
-    max_leaves=12,
-)
-FIELDS = {
-    "model": st.just(MODEL) | JSON,
-    "prompt": st.text(max_size=40)
-    | st.lists(st.integers(-3, 1200), max_size=40)
-    | st.lists(st.text(max_size=8), max_size=3)
-    | JSON,
-    "messages": st.lists(
-        st.fixed_dictionaries(
-            {"role": st.sampled_from(["user", "system", "assistant"]) | JSON, "content": st.text(max_size=20) | JSON}
-        ),
-        max_size=3,
-    )
-    | JSON,
-    "max_tokens": st.integers(-2, 24) | JSON,
-    "max_completion_tokens": st.integers(-2, 24) | JSON,
-    "temperature": st.floats(-1, 3) | JSON,
-    "top_p": st.floats(-1, 2) | JSON,
-    "n": st.integers(-1, 3) | JSON,
-    "seed": st.integers(-(2**70), 2**70) | JSON,
-    "stream": st.booleans() | JSON,
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans() | JSON}) | JSON,
-    "ignore_eos": st.booleans() | JSON,
-}
-BODIES = st.fixed_dictionaries({}, optional=FIELDS) | JSON
-
-
-@settings(max_examples=2000, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=200, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=BODIES, chat=st.booleans(), raw=st.none() | st.binary(max_size=64))
 def fuzz_once(client: httpx.Client, codes: list[int], body, chat: bool, raw: bytes | None) -> None:
     path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -469,7 +444,8 @@ def fuzz_once(client: httpx.Client, codes: list[int], body, chat: bool, raw: byt
 
 
 def test_generated_bodies_never_get_a_5xx_and_the_app_keeps_serving(app):
-    """Thousands of generated bodies (valid, almost valid and garbage) against a live emulated app."""
+    """Generated bodies (valid, almost valid and garbage) against a live emulated app, through the engines: the
+    parsing alone meets ten times as many in process (``test_ingress.py``)."""
     url, _ = app
     fast = app_args(time_scale=0.001, context_tokens=128)  # a chat request without max_tokens fills the context
     serve.run(build_app(fast), name="fuzz", route_prefix="/fuzz")
@@ -482,7 +458,7 @@ def test_generated_bodies_never_get_a_5xx_and_the_app_keeps_serving(app):
         codes: list[int] = []
         with httpx.Client(base_url=f"{url}/fuzz", timeout=60) as client:
             fuzz_once(client, codes)
-        assert len(codes) >= 2000 and {200, 400} <= set(codes), sorted(set(codes))
+        assert len(codes) >= 200 and {200, 400} <= set(codes), sorted(set(codes))
         assert httpx.post(f"{url}/fuzz/v1/completions", json=body, timeout=60).status_code == 200
         wait_until(lambda: healthy(f"{url}/fuzz")["in_flight"] == 0, what="no request in flight")
     finally:

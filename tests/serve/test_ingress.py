@@ -12,6 +12,8 @@ import json
 import types
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from vllm.entrypoints.generate.base.serving import GenerateBaseServing
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
@@ -19,11 +21,15 @@ from vllm.logprobs import Logprob
 
 from kairos_ray.core import Route
 from kairos_ray.messages import TokenEvent, TokenLogprob, TTFTBreakdown
+from kairos_ray.serve import ingress
 from kairos_ray.serve.auth import ApiKeys
 from kairos_ray.serve.dispatch import RouteTaken
 from kairos_ray.serve.protocol import LIST_CAPS, PreparedRequest, RequestError
 from kairos_ray.serve.responses import Exposure, ResponseWriter, route_headers
 from kairos_ray.serve.tokens import Preprocessor
+
+from .bodies import BODIES
+from .conftest import MODEL
 
 DEFLECTED = RouteTaken(
     request_id=42,
@@ -265,3 +271,20 @@ def test_a_chat_with_too_many_messages_is_refused():
     messages = [{"role": "user", "content": "hi"}] * (LIST_CAPS["messages"] + 1)
     with pytest.raises(RequestError, match="messages: at most"):
         prepared({"messages": messages}, chat=True)
+
+
+EMULATED = Preprocessor(MODEL, 128)  # as the fuzz app's ingress: emulated engines, a 128-token context
+
+
+@settings(max_examples=2000, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=BODIES, chat=st.booleans(), raw=st.none() | st.binary(max_size=64))
+def test_generated_bodies_are_prepared_or_refused_with_a_4xx_never_an_exception(body, chat, raw):
+    """The ingress's own parsing of thousands of bodies, in process (over HTTP and the engines:
+    ``test_faults.py``)."""
+    content = raw if raw is not None else json.dumps(body).encode()
+    try:
+        request = asyncio.run(EMULATED.prepare(ingress._parse(content), chat))
+    except RequestError as refused:
+        assert 400 <= refused.status < 500 and refused.message, refused
+    else:
+        assert request.prompt_tokens >= 1 and request.max_tokens >= 1

@@ -9,7 +9,7 @@ from rich.console import Console
 
 from kairos_ray.core import Decision, DecodeNodeView, PrefillNodeView, Route
 from kairos_ray.messages import LiveState, NodeState, Role, StepRecord
-from kairos_ray.serve.live import IngressWindow, RouterWindow, Window
+from kairos_ray.serve.live import SHED_KEY, IngressWindow, RouterWindow, Window
 from kairos_ray.top import render
 
 
@@ -87,6 +87,10 @@ def a_state() -> LiveState:
     ingress.router_calls.add(0.0, "", 0.0014)
     ingress.router_calls.add(0.0, "", 0.0032)
     ingress.rejections.add(0.0, "overload", 1.0)
+    for reason, priority in (("priority", 2), ("priority", 2), ("no-route-in-time", 0)):
+        ingress.shed.add(0.0, f"{reason}{SHED_KEY}{priority}", 1.0)
+    for _ in range(3):
+        ingress.attained.add(0.0, "deflect", 1.0)
     return LiveState(1e9, window.live("kairos", {"decode-b": (d, 0.0), "prefill-a": (p, 0.0)}, 1.0), ingress.live(1.0))
 
 
@@ -104,5 +108,9 @@ def test_top_renders_a_line_per_node_and_the_last_minute():
     assert decode.split() == ["decode-b", "0", "3", "20.0k", "900.0k", "0%", "0", "20.0/19.0", "1", "100", "%", "1.0"]
     (prefill,) = [line for line in lines if line.startswith("prefill-a ")]
     assert "1 (5000 tok)" in prefill
-    assert "1 requests, 1 deflected (100 %), P95 TTFT 0.250 s" in lines[-1] and "1 rejected (overload 1)" in lines[-1]
-    assert "router call P50/P99 2.3/3.2 ms" in lines[-1]
+    assert "1 requests, 1 deflected (100 %), P95 TTFT 0.250 s" in lines[-2] and "1 rejected (overload 1)" in lines[-2]
+    assert "router call P50/P99 2.3/3.2 ms" in lines[-2]
+    assert lines[-1] == (
+        "admission: 3 shed (no-route-in-time 1, priority 2; priority 0 1, priority 2 2), "
+        "goodput 0.05 req/s within the SLO"
+    )

@@ -63,7 +63,7 @@ def test_the_router_adopts_a_refit_into_its_policy_keeping_the_configs_knobs():
     from kairos_ray.serve.router import RouterActor
     from kairos_ray.serve.types import RouterOptions
 
-    router = RouterActor(KairosConfig().model_dump(mode="json"), RouterOptions(refit_every_steps=300))
+    router = RouterActor(KairosConfig(), RouterOptions(refit_every_steps=300))
     before = router.state.policy
     router.report(NodeState(DecodeNodeView("d0", 0, 0, 1_000_000), "host", 0.0, tuple(reports(ACTUAL, 300))))
     after = router.state.policy

@@ -210,3 +210,42 @@ def test_a_turn_goes_to_the_node_holding_its_history_priced_by_its_uncached_suff
     view, _ = router.view(now=0.2)  # the ledger charges the uncached suffix only
     d1 = next(n for n in view.decode if n.node_id == "d1")
     assert d1.committed[-1] == decision.chunk_schedule and d1.committed_cached_tokens[-1] == 2048
+
+
+def test_a_live_router_switches_policy_on_its_configured_model_and_knobs():
+    from kairos_ray.config import KairosConfig
+    from kairos_ray.core import DecodeNodeView, PrefillNodeView, Route
+    from kairos_ray.messages import DecisionRequest, NodeState
+    from kairos_ray.serve.router import RouterActor
+    from kairos_ray.serve.types import RouterOptions
+
+    router = RouterActor(KairosConfig(), RouterOptions())
+    for view in (PrefillNodeView("p0", (30_000,)), DecodeNodeView("d0", 0, 0, 1_000_000)):
+        router.report(NodeState(view, "host", 0.0))
+    request = [DecisionRequest(1, 200, 8)]  # a short prompt behind a long prefill queue: kairos deflects it
+    assert router.decide_many(request)[0].decision.route is Route.DEFLECT
+    before = router.state.policy
+    router.model = replace(router.model, c0=3 * router.model.c0)  # as a refit adopts one
+    assert router.use_policy("pd") == "kairos"
+    assert router.decide_many([DecisionRequest(2, 200, 8)])[0].decision.route is Route.PREFILL
+    assert router.state.policy.params == before.params and router.state.policy.decode_model is router.model
+    assert router.model == KairosConfig().predictor.load()  # the refit starts over from the configured model
+
+
+def shedding_router():
+    config = KairosConfig.model_validate({"admission": {"mode": "shed"}})
+    router = RouterState(config.build_policy("pd"), pending_ttl_s=2.0)
+    router.report(prefill_state("p0", [60_000]), now=0.0)  # minutes of prefill queued: nothing meets 4 s there
+    router.report(decode_state("d0"), now=0.0)
+    return router
+
+
+def test_a_shed_request_leaves_the_ledger_as_it_was_and_a_retry_is_never_shed():
+    router = shedding_router()
+    before, _ = router.view(now=0.1)
+    decision, _ = router.decide(1, 500, 10, now=0.1, priority=0)
+    assert decision.shed and decision.admission.retry_after_s > 0
+    assert router.view(now=0.1)[0] == before and sum(router.residue().values()) == 0
+    decision, _ = router.decide(1, 500, 10, now=0.2, sheddable=False)  # its retry, once admitted
+    assert not decision.shed and decision.admission.admitted
+    assert router.view(now=0.2)[0].prefill[0].queued_prompt_tokens == (60_000, 500)

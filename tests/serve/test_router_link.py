@@ -8,7 +8,6 @@ import pytest
 import ray
 from ray import serve
 
-from kairos_ray.bench.local import local_serve
 from kairos_ray.bench.router_latency import node_states
 from kairos_ray.config import KairosConfig
 from kairos_ray.messages import DecisionRequest
@@ -16,6 +15,7 @@ from kairos_ray.serve.router import Router
 from kairos_ray.serve.router_link import RouterLink
 from kairos_ray.serve.types import RouterOptions
 from kairos_ray.serve.wire import WireClosed
+from tests import shared_ray
 
 pytestmark = pytest.mark.ray
 
@@ -27,7 +27,7 @@ async def decided_once_reported(link, request_id, within_s=90.0):
         for state in node_states(0):
             link.report(state)
         try:
-            (reply,) = await asyncio.wait_for(link.decide_many([DecisionRequest(request_id, 800, 64)]), 10)
+            (reply,) = await asyncio.wait_for(link.decide([DecisionRequest(request_id, 800, 64)], 10), 20)
             if not reply.fallback:
                 return reply
         except Exception:  # the actor is gone or not up yet: the link fetches it again
@@ -41,8 +41,9 @@ def with_router(tcp_line, body):
 
     The link is prefetched, as an ingress's is when it starts, and the first decision waits until it has the
     actor's handle: whether the line was open by then is the second element."""
-    with local_serve(log_to_driver=False):
-        app = Router.bind(KairosConfig().model_dump(mode="json"), RouterOptions(tcp_line=tcp_line))
+    shared_ray.start()
+    try:
+        app = Router.bind(KairosConfig(), RouterOptions(tcp_line=tcp_line))
         link = RouterLink(serve.run(app, name="router-link", route_prefix=None))
 
         async def main():
@@ -55,6 +56,8 @@ def with_router(tcp_line, body):
             return first, prefetched, await body(link)
 
         return asyncio.run(main())
+    finally:
+        serve.delete("router-link")
 
 
 def test_decisions_and_reports_go_over_the_line_and_find_the_new_actor_after_the_old_one_dies():
@@ -66,7 +69,7 @@ def test_decisions_and_reports_go_over_the_line_and_find_the_new_actor_after_the
         while not line.closed and time.monotonic() < deadline:  # the process goes: its end of the line closes
             await asyncio.sleep(0.05)
         with pytest.raises(WireClosed):  # at once, not at a deadline
-            await asyncio.wait_for(link.decide_many([DecisionRequest(2, 800, 64)]), 5)
+            await asyncio.wait_for(link.decide([DecisionRequest(2, 800, 64)], 5), 10)
         second = await decided_once_reported(link, 3)
         assert await link.actor() is not old and link._wire is not None and not link._wire.closed
         return second

@@ -41,14 +41,13 @@ from kairos_ray.bench import faults
 from kairos_ray.bench.local import free_port
 from kairos_ray.messages import Role
 from kairos_ray.serve.args import AppArgs
-from tests.serve.conftest import running_app, wait_for_no_residue
-from tests.serve.test_args import args_of
+from tests.serve.conftest import CPU_CONTEXT, CPU_MODEL, cpu_args, use_policy, wait_for_no_residue
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
-MODEL = "tiny-llama"
+MODEL = CPU_MODEL
 SHORT, LONG = 120, 300  # prompt words: deflected (241 tokens, <= 400) and disaggregated (601 tokens)
-CONTEXT = 1024
+CONTEXT = CPU_CONTEXT
 WORDS = [
     "the",
     "quick",
@@ -114,25 +113,10 @@ def vllm_server(tmp_path_factory):
             server.wait(30)
 
 
-def cpu_args() -> dict:
-    args = args_of("2p2d-cpu.yaml")
-    # cache-blind: these tests send the same prompts again and need their routes fixed, where a prefix-aware
-    # policy would deflect a repeated long prompt to the decode node that holds it (test_vllm_prefix.py)
-    args["kairos"]["policy"]["name"] = "sl:400+blind"
-    args["kairos"]["policy"]["static_chunk_tokens"] = 128  # deflections run in several chunks
-    args["serving"]["engine_stall_timeout_s"] = 8.0  # a stopped engine core shows within seconds
-    args["serving"]["context_tokens"] = CONTEXT
-    args["prefill_config"]["deployment_config"]["num_replicas"] = 1
-    for pool in ("prefill_config", "decode_config"):
-        args[pool]["engine_kwargs"] = {**args[pool]["engine_kwargs"], "max_model_len": CONTEXT}
-    return args
-
-
-@pytest.fixture(scope="module")
-def cpu_app(vllm_server):
-    """The app (base URL, metrics URL), started once vLLM's server is up beside it."""
-    with running_app(cpu_args(), MODEL, ready_within_s=420) as urls:
-        yield urls
+@pytest.fixture(scope="module", autouse=True)
+def routes_fixed(cpu_app):
+    """This module's tests need each prompt's route fixed by its length (``sl:400+blind``)."""
+    use_policy("sl:400+blind")
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""A partly cached prompt's hand-off on real vLLM CPU engines (``serve_configs/2p2d-cpu.yaml`` on one prefill and
-one decode node, policy ``pd``).
+"""A partly cached prompt's hand-off on real vLLM CPU engines (the vLLM CPU app of ``tests/serve/conftest.py``,
+deciding with ``pd``).
 
 When a disaggregated request's decode node already holds the start of its
 prompt (a conversation's history), the prefill node's connector stages only
@@ -10,23 +10,17 @@ the whole prompt.
 
 import pytest
 
-from tests.serve.conftest import running_app
-from tests.serve.test_args import args_of
-from tests.serve.test_vllm_prefix import MODEL, completion, next_turn
+from tests.serve.conftest import use_policy
+from tests.serve.test_vllm_prefix import completion, next_turn
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
 
 @pytest.fixture(scope="module")
-def pd_app():
-    """The shipped CPU app on one node of each pool (a hand-off needs no more, and each engine takes tens of seconds
-    to start), every request disaggregated (prefix-aware ``pd``): (base URL, metrics URL)."""
-    args = args_of("2p2d-cpu.yaml")
-    for pool in ("prefill_config", "decode_config"):
-        args[pool]["deployment_config"]["num_replicas"] = 1
-    args["kairos"]["policy"]["name"] = "pd"
-    with running_app(args, MODEL, ready_within_s=420) as urls:
-        yield urls
+def pd_app(cpu_app):
+    """The vLLM CPU app with every request disaggregated (prefix-aware ``pd``): (base URL, metrics URL)."""
+    use_policy("pd")
+    return cpu_app
 
 
 def test_a_hand_off_to_the_decode_node_holding_the_history_carries_only_the_rest(pd_app):

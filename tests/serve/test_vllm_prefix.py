@@ -14,24 +14,20 @@ import random
 import httpx
 import pytest
 
-from tests.serve.conftest import running_app, wait_for_prefix
-from tests.serve.test_args import args_of
+from tests.serve.conftest import CPU_MODEL, args_of, use_policy, wait_for_prefix
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
-MODEL = "tiny-llama"
+MODEL = CPU_MODEL
 BLOCK_TOKENS = 128  # vLLM's block size on the CPU
 VOCAB = 1024  # the tiny model's
 
 
 @pytest.fixture(scope="module")
-def shipped_app():
-    """The shipped CPU app with one prefill node (the choice under test is between the two decode nodes, and each
-    engine takes tens of seconds to start): (base URL, metrics URL)."""
-    args = args_of("2p2d-cpu.yaml")
-    args["prefill_config"]["deployment_config"]["num_replicas"] = 1
-    with running_app(args, MODEL, ready_within_s=420) as urls:
-        yield urls
+def shipped_app(cpu_app):
+    """The vLLM CPU app deciding with the shipped policy (prefix-aware Kairos): (base URL, metrics URL)."""
+    use_policy(args_of("2p2d-cpu.yaml")["kairos"]["policy"]["name"])
+    return cpu_app
 
 
 def completion(url: str, prompt: list[int], max_tokens: int, **extra) -> httpx.Response:

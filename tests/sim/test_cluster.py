@@ -50,7 +50,13 @@ def simulate(spec, requests, num_prefill=1, num_decode=1, hardware=HW, seed=0):
 
 
 def test_tie_order_is_written_down():
-    assert [k.name for k in sorted(Kind)] == ["PREFILL_STEP_END", "DECODE_STEP_END", "KV_ARRIVAL", "REQUEST_ARRIVAL"]
+    assert [k.name for k in sorted(Kind)] == [
+        "PREFILL_STEP_END",
+        "DECODE_STEP_END",
+        "KV_ARRIVAL",
+        "KV_WAIT_END",
+        "REQUEST_ARRIVAL",
+    ]
 
 
 def test_disaggregated_request_by_hand():
@@ -133,24 +139,31 @@ class Recording:
     def __init__(self, policy):
         self.policy, self.spec, self.calls = policy, policy.spec, []
         self.guards_chunks, self.decides_with_ground_truth = policy.guards_chunks, policy.decides_with_ground_truth
+        self.params, self.decode_model = policy.params, policy.decode_model
 
     def chunk_guard(self):
         return self.policy.chunk_guard()
 
-    def decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None = None) -> Decision:
-        decision = self.policy.decide(prompt_tokens, view, hits)
+    def join_guard(self):
+        return self.policy.join_guard()
+
+    def decide(
+        self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None = None, priority: int = 0
+    ) -> Decision:
+        decision = self.policy.decide(prompt_tokens, view, hits, priority)
         self.calls.append((prompt_tokens, view, decision))
         return decision
 
 
-def test_the_sim_shows_each_decision_the_view_the_routers_ledger_would():
+@pytest.mark.parametrize("admission", ["off", "shed"])
+def test_the_sim_shows_each_decision_the_view_the_routers_ledger_would(admission):
     """Requests arriving at one instant: each sees the cluster as ``apply_decision`` leaves it after the ones before,
     on both routes; so the simulator's node bookkeeping and the live router's ledger agree."""
     from kairos_ray.config import KairosConfig
-    from kairos_ray.core import apply_decision
+    from kairos_ray.core import AdmissionMode, apply_decision
     from kairos_ray.sim.run import SimSetup
 
-    setup = SimSetup.from_config(KairosConfig())
+    setup = SimSetup.from_config(KairosConfig()).with_admission(AdmissionMode(admission))
     recording = Recording(setup.policy("kairos"))
     sim = ClusterSim(recording, setup.truth, setup.hardware, 2, 2, 2048)
     burst = [(1.0, prompt, 4) for prompt in (9000, 300, 12000, 700, 5000, 200, 16000, 900)]

@@ -1,7 +1,9 @@
 """The node models with a prefix cache: hits taken, suffixes computed, blocks kept and evicted, views as the ledger."""
 
-from kairos_ray.core import BlockCache, ClusterView, Decision, Route, apply_decision
-from kairos_ray.nodes import DecodeNode, Job, PrefillNode, covering
+import pytest
+
+from kairos_ray.core import BlockCache, ClusterView, Decision, Route, StepLatencyModel, apply_decision, join_guard
+from kairos_ray.nodes import FINISH_WINDOW, DecodeNode, FinishRate, Job, PrefillNode, covering
 
 
 def decode_node(capacity_tokens: int = 10_000) -> DecodeNode:
@@ -72,6 +74,38 @@ def test_an_assigned_hand_off_counts_on_its_decode_node_until_it_joins_the_batch
     assert (view.batch_size, view.incoming_requests, view.incoming_kv_tokens, view.free_kv_tokens) == (1, 0, 0, 8_950)
 
 
+def test_a_hand_offs_transfer_counts_on_its_decode_node_until_its_kv_arrives():
+    node = DecodeNode("d", kv_capacity_tokens=10_000, max_batch_size=8)
+    job = Job(
+        0, 0.0, 1000, 50, decision=Decision(Route.PREFILL, "p", "d", (), 1.0, None, "", receiver_cached_tokens=400)
+    )
+    node.assign(job)
+    assert (node.view().incoming_transfers, node.view().incoming_transfer_tokens) == (1, 600)
+    node.transferred(job, 0.5)  # landed: off the link, still bound for the batch
+    view = node.view()
+    assert (view.incoming_transfers, view.incoming_transfer_tokens, view.incoming_requests) == (0, 0, 1)
+
+
+def test_a_decode_node_reports_how_fast_it_finishes_requests():
+    node = DecodeNode("d", kv_capacity_tokens=100_000, max_batch_size=64)
+    assert node.view().finished_per_s == 0.0  # nothing finished: unknown
+    for i in range(FINISH_WINDOW + 8):  # one request finishing every 0.5 s
+        node.transferred(Job(i, 0.0, 10, 1), 0.0)
+        node.begin_step(0.5 * i)
+        node.end_step(0.5 * (i + 1), 0.5)
+    assert node.view().finished_per_s == 2.0
+
+
+def test_with_a_join_guard_a_waiting_hand_off_joins_only_within_the_budget():
+    # T = 0.01 + 0.02 B: two in the batch fit 0.055 s, three do not
+    node = DecodeNode("d", 10_000, 8, join_guard=join_guard(StepLatencyModel(0.01, 0.02, 0, 0, 0, 0), 0.055))
+    for i in range(3):
+        node.transferred(Job(i, 0.0, 10, 5), 0.0)
+    assert node.begin_step(0.0) == (2, 20, 0)  # the third waits
+    node.end_step(0.05, 0.05)
+    assert len(node.waiting) == 1
+
+
 def test_a_prefill_node_computes_the_uncached_suffix_and_keeps_the_prompt():
     node = PrefillNode("p", 100, cache=BlockCache(50), kv_capacity_tokens=10_000)
     first = Job(0, 0.0, 150, 1, block_hashes=(1, 2, 3))
@@ -106,3 +140,16 @@ def test_a_deflection_on_free_blocks_takes_them_off_the_free_kv_the_ledger_shows
     decision = Decision(Route.DEFLECT, None, "d", (50,), 1.0, 0.1, "", cached_prompt_tokens=100)
     ledger = apply_decision(ClusterView((), (before,)), 150, decision, 5).decode[0]
     assert ledger.free_kv_tokens - node.view().free_kv_tokens == 100  # the node's next report corrects it
+
+
+def test_a_decode_nodes_finishing_rate_follows_its_last_finishes():
+    rate = FinishRate()
+    assert rate.per_s == 0.0  # unknown until two finishes
+    rate.finished(10.0)
+    assert rate.per_s == 0.0
+    for i in range(1, 5):
+        rate.finished(10.0 + 0.5 * i)  # 2 a second
+    assert rate.per_s == pytest.approx(2.0)
+    for i in range(FINISH_WINDOW):
+        rate.finished(20.0 + 0.1 * i)  # a burst: 10 a second, the slow ones out of the window
+    assert rate.per_s == pytest.approx(10.0)
