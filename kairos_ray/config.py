@@ -91,7 +91,10 @@ class PolicyConfig(_Section):
         DEFAULT_PARAMS.alpha, ge=1, description="deflect only if alpha * TTFT_dec < TTFT_pf (clearly faster)"
     )
     beta: float = Field(
-        DEFAULT_PARAMS.beta, gt=0, description="TBT safety factor: each step must fit beta * tbt_s (Eq. 5)"
+        DEFAULT_PARAMS.beta,
+        gt=0,
+        le=1,
+        description="TBT safety factor: each step must fit beta * tbt_s (Eq. 5); above 1 steps would overrun tau",
     )
     chunk_candidates: tuple[int, ...] = Field(
         DEFAULT_PARAMS.chunk_candidates, description="chunk sizes LargestSafe may pick, strictly decreasing"

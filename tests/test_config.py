@@ -50,6 +50,7 @@ def test_params_carry_the_config_through():
         ({"slo": {"tbt_s": 0}}, "slo.tbt_s = 0: Input should be greater than 0"),
         ({"policy": {"alpha": 0.5}}, "policy.alpha = 0.5: Input should be greater than or equal to 1"),
         ({"policy": {"beta": 0}}, "policy.beta = 0: Input should be greater than 0"),
+        ({"policy": {"beta": 1.5}}, "policy.beta = 1.5: Input should be less than or equal to 1"),
         ({"policy": {"chunk_candidates": []}}, "policy.chunk_candidates = []: chunk_candidates must not be empty"),
         (
             {"policy": {"chunk_candidates": [256, 512]}},

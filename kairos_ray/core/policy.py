@@ -218,6 +218,8 @@ class _BasePolicy:
                 f"cluster view needs at least one prefill and one decode node, "
                 f"has {len(view.prefill)} prefill and {len(view.decode)} decode"
             )
+        if hits is not None:
+            hits = hits.within(prompt_tokens)
         admission = self.params.admission
         in_time_s = admission.threshold_s(priority) if admission.on else math.inf
         decision = self._decide(prompt_tokens, view, hits if self.params.prefix_aware else None, in_time_s)

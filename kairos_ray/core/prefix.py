@@ -281,3 +281,11 @@ class PrefixHits:
 
     def at(self, node_id: str) -> int:
         return self.tokens_by_node.get(node_id, 0)
+
+    def within(self, prompt_tokens: int) -> PrefixHits:
+        """These hits, each at most ``prompt_tokens`` - 1 and at least 0: a node computes at least the prompt's
+        last token whatever its cache holds (vLLM does), so a schedule never has fewer than one token to run."""
+        top = prompt_tokens - 1
+        if all(0 <= hit <= top for hit in self.tokens_by_node.values()):
+            return self
+        return PrefixHits({node: min(max(hit, 0), top) for node, hit in self.tokens_by_node.items()})

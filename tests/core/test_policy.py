@@ -285,6 +285,14 @@ def test_a_cold_request_is_decided_exactly_as_before():
     assert blind.decide(6500, HISTORY, ON_A) == blind.decide(6500, HISTORY)  # cache-blind: hits are ignored
 
 
+@pytest.mark.parametrize("hit", [6500, 7000, 1_000_000])
+def test_a_hit_on_the_whole_prompt_or_beyond_still_computes_its_last_token(hit):
+    decision = make_policy("kairos+prefix", AWARE, CONTEXT).decide(6500, HISTORY, PrefixHits({"A": hit}))
+    assert decision.deflected and decision.decode_node == "A"
+    assert decision.chunk_schedule == (1,) and decision.cached_prompt_tokens == 6499
+    assert decision == make_policy("kairos+prefix", AWARE, CONTEXT).decide(6500, HISTORY, PrefixHits({"A": 6499}))
+
+
 def test_a_deflection_needs_kv_room_for_its_suffix_only():
     tight = ClusterView(HISTORY.prefill, (DecodeNodeView("A", 0, 0, 600),))
     assert make_policy("kairos+prefix", AWARE, CONTEXT).decide(6500, tight, ON_A).deflected

@@ -276,10 +276,10 @@ def test_a_chat_with_too_many_messages_is_refused():
 EMULATED = Preprocessor(MODEL, 128)  # as the fuzz app's ingress: emulated engines, a 128-token context
 
 
-@settings(max_examples=2000, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=1000, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=BODIES, chat=st.booleans(), raw=st.none() | st.binary(max_size=64))
 def test_generated_bodies_are_prepared_or_refused_with_a_4xx_never_an_exception(body, chat, raw):
-    """The ingress's own parsing of thousands of bodies, in process (over HTTP and the engines:
+    """The ingress's own parsing of a thousand bodies, in process (over HTTP and the engines:
     ``test_faults.py``)."""
     content = raw if raw is not None else json.dumps(body).encode()
     try:
