@@ -48,13 +48,22 @@ class Window(Generic[T]):
         self._samples: deque[tuple[float, str, T]] = deque(maxlen=max_samples)
 
     def add(self, now: float, key: str, value: T) -> None:
+        """Keep a sample, dropping those past the window: what it holds follows the rate of the last
+        ``span_s``, whether or not anyone reads it (``max_samples`` caps a burst)."""
         self._samples.append((now, key, value))
+        self._expire(now)
 
     def values(self, now: float, key: str | None = None) -> list[T]:
         """The samples of ``key`` (of every key: None) still in the window at ``now``."""
+        self._expire(now)
+        return [value for _, k, value in self._samples if key is None or k == key]
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def _expire(self, now: float) -> None:
         while self._samples and now - self._samples[0][0] > self.span_s:
             self._samples.popleft()
-        return [value for _, k, value in self._samples if key is None or k == key]
 
     def keys(self, now: float) -> Counter[str]:
         """How many samples of each key are in the window."""

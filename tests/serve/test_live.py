@@ -114,3 +114,10 @@ def test_top_renders_a_line_per_node_and_the_last_minute():
         "admission: 3 shed (no-route-in-time 1, priority 2; priority 0 1, priority 2 2), "
         "goodput 0.05 req/s within the SLO"
     )
+
+
+def test_a_window_nobody_reads_holds_only_its_last_span():
+    window: Window[float] = Window(span_s=60.0)
+    for i in range(10_000):  # ten a second for 1,000 s, never read
+        window.add(i / 10, "k", 1.0)
+    assert len(window) == 601  # the last 60 s, not every sample since the start
