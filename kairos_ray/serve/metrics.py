@@ -35,11 +35,11 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from kairos_ray.core import Decision, PrefillNodeView, Route
 from kairos_ray.messages import NodeState
+from kairos_ray.metrics import SHED_ROUTE
 from kairos_ray.serve.live import SHED_KEY, IngressWindow, RouterWindow, Window
 
 LATENCY_BOUNDARIES = [1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05]
 CALL_BOUNDARIES = [5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0]  # up to the decision deadline
-SHED = "shed"  # the route tag of a decision admission shed
 SECONDS_BOUNDARIES = [0.01, 0.02, 0.05, 0.07, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
 
 
@@ -74,7 +74,7 @@ class RouterMetrics:
 
     def decided(self, decision: Decision, decision_s: float, staleness_s: float) -> None:
         """One decision; a shed one counts as route ``shed`` with admission's reason, and sends nothing anywhere."""
-        route = SHED if decision.shed else decision.route.value
+        route = SHED_ROUTE if decision.shed else decision.route.value
         if not decision.shed:
             self.window.decided(time.monotonic(), decision)
         self.decisions.inc(tags={"route": route, "reason": reason_kind(decision)})
