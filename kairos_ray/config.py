@@ -125,6 +125,11 @@ class PolicyConfig(_Section):
         description="price each node's uncached prompt suffix from the cached context, given the prefix hits the "
         "caller knows (a spec ending in +prefix or +blind overrides it)",
     )
+    prune: bool = Field(
+        DEFAULT_PARAMS.prune,
+        description="price only the nodes whose lower bound can still win (docs/architecture.md, 'Decisions at "
+        "fleet scale'): the same decisions as pricing every node, at a cost that does not grow with the fleet",
+    )
     thresholds: ThresholdsConfig = ThresholdsConfig()
 
     @field_validator("name")
@@ -258,6 +263,7 @@ class KairosConfig(_Section):
             prefill_estimator=p.prefill_estimator,
             static_chunk_tokens=p.static_chunk_tokens,
             prefix_aware=p.prefix_aware,
+            prune=p.prune,
             handoff_setup_tokens=setup,
             handoff_tokens_per_s=rate,
             admission=self.admission.params(self.slo.ttft_s),

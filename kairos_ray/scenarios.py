@@ -25,27 +25,32 @@ def random_view(
     budget_s: float,
 ) -> ClusterView:
     """A cluster state as a busy 2-pool deployment would report it."""
-    prefill = tuple(
-        PrefillNodeView(
-            f"prefill-{i}",
-            tuple(prompt_tokens(rng) for _ in range(rng.randint(0, 8))),
-            head_prefilled_tokens=rng.choice((0, 0, 2048)),
-        )
-        for i in range(num_prefill)
+    prefill = tuple(random_prefill_node(rng, i) for i in range(num_prefill))
+    decode = tuple(random_decode_node(rng, model, i, candidates, budget_s) for i in range(num_decode))
+    return ClusterView(prefill, decode)
+
+
+def random_prefill_node(rng: random.Random, index: int) -> PrefillNodeView:
+    """A busy prefill node's report: 0-8 queued prompts, the head now and then under way."""
+    return PrefillNodeView(
+        f"prefill-{index}",
+        tuple(prompt_tokens(rng) for _ in range(rng.randint(0, 8))),
+        head_prefilled_tokens=rng.choice((0, 0, 2048)),
     )
-    decode = []
-    for i in range(num_decode):
-        batch_size = rng.randint(1, 128)
-        kv_tokens = min(DECODE_KV_CAPACITY_TOKENS // 2, sum(prompt_tokens(rng) for _ in range(batch_size)))
-        committed = tuple(
-            schedule
-            for _ in range(rng.randint(0, 2))
-            if (schedule := tbt_safe_schedule(model, batch_size, kv_tokens, prompt_tokens(rng), candidates, budget_s))
-        )
-        decode.append(
-            DecodeNodeView(f"decode-{i}", batch_size, kv_tokens, DECODE_KV_CAPACITY_TOKENS - kv_tokens, committed)
-        )
-    return ClusterView(prefill, tuple(decode))
+
+
+def random_decode_node(
+    rng: random.Random, model: StepLatency, index: int, candidates: Sequence[int], budget_s: float
+) -> DecodeNodeView:
+    """A busy decode node's report: 1-128 running requests, their KV, 0-2 deflections committed."""
+    batch_size = rng.randint(1, 128)
+    kv_tokens = min(DECODE_KV_CAPACITY_TOKENS // 2, sum(prompt_tokens(rng) for _ in range(batch_size)))
+    committed = tuple(
+        schedule
+        for _ in range(rng.randint(0, 2))
+        if (schedule := tbt_safe_schedule(model, batch_size, kv_tokens, prompt_tokens(rng), candidates, budget_s))
+    )
+    return DecodeNodeView(f"decode-{index}", batch_size, kv_tokens, DECODE_KV_CAPACITY_TOKENS - kv_tokens, committed)
 
 
 def random_hits(rng: random.Random, view: ClusterView, prompt_tokens: int, block_tokens: int = 16) -> PrefixHits:

@@ -43,6 +43,7 @@ from kairos_ray.core.state import (
     ShedReason,
     apply_decision,
     node_after,
+    with_nodes,
 )
 from kairos_ray.core.sweep import tbt_safe_schedule
 
@@ -91,4 +92,5 @@ __all__ = [
     "queue_wait_paper_s",
     "tbt_safe_schedule",
     "tiles",
+    "with_nodes",
 ]

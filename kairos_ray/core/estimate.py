@@ -53,6 +53,20 @@ def queue_wait_paper_s(model: StepLatency, queued_tokens: int, chunk_tokens: int
     return queued_tokens / chunk_tokens * model.step_s(0, context, chunk_tokens, context)
 
 
+def queue_ttft_paper_s(
+    model: StepLatency, node: PrefillNodeView, chunk_tokens: int, walks: QueueWalks | None = None
+) -> float:
+    """Eq. 2 over the node's queue: its S counts the tokens its requests still have to compute (the node reports
+    them uncached). ``walks`` is not needed: Eq. 2 reads only the queue's sum."""
+    return queue_wait_paper_s(model, sum(node.queued_prompt_tokens), chunk_tokens)
+
+
+def own_prefill_paper_s(model: StepLatency, prompt_tokens: int, cached_tokens: int, chunk_tokens: int) -> float:
+    """T_pf(r) as the paper's estimator prices it: like a queue holding only r's uncached suffix, which drains
+    from its cached context on."""
+    return queue_wait_paper_s(model, prompt_tokens - cached_tokens, chunk_tokens, cached_tokens)
+
+
 def prefill_ttft_paper_s(
     model: StepLatency,
     node: PrefillNodeView,
@@ -61,15 +75,9 @@ def prefill_ttft_paper_s(
     cached_tokens: int = 0,
     walks: QueueWalks | None = None,
 ) -> float:
-    """Eq. 1 with Eq. 2: W_queue(r) + T_pf(r), T_pf priced like a queue holding only r's uncached suffix.
-
-    The queue's S counts the tokens its requests still have to compute (the
-    node reports them uncached); r's suffix drains from its cached context on.
-    ``walks`` is not needed: Eq. 2 reads only the queue's sum.
-    """
-    queued = sum(node.queued_prompt_tokens)
-    own_s = queue_wait_paper_s(model, prompt_tokens - cached_tokens, chunk_tokens, cached_tokens)
-    return queue_wait_paper_s(model, queued, chunk_tokens) + own_s
+    """Eq. 1 with Eq. 2: W_queue(r) + T_pf(r), T_pf priced like a queue holding only r's uncached suffix."""
+    own_s = own_prefill_paper_s(model, prompt_tokens, cached_tokens, chunk_tokens)
+    return queue_ttft_paper_s(model, node, chunk_tokens) + own_s
 
 
 def chunked_prefill_s(model: StepLatency, prompt_tokens: int, context_tokens: int, chunk_tokens: int) -> float:
@@ -110,6 +118,11 @@ def queue_wait_exact_s(
     return seconds
 
 
+def own_prefill_exact_s(model: StepLatency, prompt_tokens: int, cached_tokens: int, chunk_tokens: int) -> float:
+    """T_pf(r) walked: r's uncached suffix in chunks from its cached context."""
+    return chunked_prefill_s(model, prompt_tokens - cached_tokens, cached_tokens, chunk_tokens)
+
+
 def prefill_ttft_exact_s(
     model: StepLatency,
     node: PrefillNodeView,
@@ -119,7 +132,7 @@ def prefill_ttft_exact_s(
     walks: QueueWalks | None = None,
 ) -> float:
     """Eq. 1 with the queue walked request by request: every queued prompt, then r's uncached suffix."""
-    own_s = chunked_prefill_s(model, prompt_tokens - cached_tokens, cached_tokens, chunk_tokens)
+    own_s = own_prefill_exact_s(model, prompt_tokens, cached_tokens, chunk_tokens)
     return queue_wait_exact_s(model, node, chunk_tokens, walks) + own_s
 
 
@@ -143,6 +156,28 @@ PREFILL_ESTIMATORS: dict[str, PrefillEstimator] = {
     "exact": prefill_ttft_exact_s,
     "paper": prefill_ttft_paper_s,
 }
+
+
+class OwnPrefill(Protocol):
+    """(model, prompt tokens, of them cached on the node, chi_p) -> T_pf(r) seconds."""
+
+    def __call__(self, model: StepLatency, prompt_tokens: int, cached_tokens: int, chunk_tokens: int) -> float: ...
+
+
+class QueueTTFT(Protocol):
+    """(model, node, chi_p, walks) -> W_queue seconds: the request-independent part of an estimator."""
+
+    def __call__(
+        self, model: StepLatency, node: PrefillNodeView, chunk_tokens: int, walks: QueueWalks | None = None
+    ) -> float: ...
+
+
+PREFILL_PARTS: dict[str, tuple[QueueTTFT, OwnPrefill]] = {
+    "exact": (queue_wait_exact_s, own_prefill_exact_s),
+    "paper": (queue_ttft_paper_s, own_prefill_paper_s),
+}
+"""Each estimator of ``PREFILL_ESTIMATORS`` as W_queue + T_pf(r), the same terms in the same order: the queue's
+part depends on the node only, so a policy can keep it per node (``core.index``)."""
 
 
 def runs_of(schedule: Iterable[int]) -> list[tuple[int, int]]:

@@ -59,6 +59,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+import kairos_ray.core.index as index_module
 from kairos_ray.core.admission import (
     AdmissionParams,
     JoinGuard,
@@ -69,8 +70,24 @@ from kairos_ray.core.admission import (
     judge,
     kv_wait_s,
 )
-from kairos_ray.core.estimate import PREFILL_ESTIMATORS, PrefillEstimatorName, QueueWalks, after_committed, runs_s
-from kairos_ray.core.latency import StepLatency
+from kairos_ray.core.estimate import (
+    PREFILL_ESTIMATORS,
+    PREFILL_PARTS,
+    PrefillEstimatorName,
+    QueueWalks,
+    runs_s,
+)
+from kairos_ray.core.index import (
+    SAFETY,
+    WEIGHTS,
+    DecodeIndex,
+    PrefillIndex,
+    bounded,
+    deflection_bound_s,
+    idle_slope,
+    planned_beside,
+)
+from kairos_ray.core.latency import StepLatency, StepLatencyModel
 from kairos_ray.core.prefix import PrefixHits
 from kairos_ray.core.state import ClusterView, Decision, DecodeNodeView, PrefillNodeView, Route
 from kairos_ray.core.sweep import Runs, expand, largest_safe_chunk, largest_safe_runs
@@ -91,6 +108,7 @@ class PolicyParams:
     handoff_setup_tokens: int = 0  # a KV transfer's fixed cost, in tokens its link could carry meanwhile
     handoff_tokens_per_s: float = 0.0  # KV tokens a decode node's link carries per second (0: transfers unpriced)
     admission: AdmissionParams = field(default_factory=AdmissionParams)  # shed what no route serves in time
+    prune: bool = True  # price only the nodes that can still win (``core.index``): the same decisions, sooner
 
     @property
     def tbt_budget_s(self) -> float:
@@ -184,6 +202,14 @@ class _BasePolicy:
         self.decode_model = decode_model
         self._estimate = PREFILL_ESTIMATORS[params.prefill_estimator]
         self._prefill_walks, self._decode_walks = QueueWalks(), QueueWalks()  # queues priced from their last walk
+        queue_s, self._own_prefill = PREFILL_PARTS[params.prefill_estimator]
+        chunk = params.prefill_chunk_tokens
+        self._prefill_index = PrefillIndex(prefill_model, queue_s, chunk, self._prefill_walks) if params.prune else None
+        self._decode_index = (
+            DecodeIndex(decode_model, params.admission.on, params.handoff_setup_tokens, self._decode_walks)
+            if params.prune and isinstance(decode_model, StepLatencyModel) and bounded(decode_model)
+            else None
+        )
 
     @classmethod
     def check_arg(cls, arg: str | None) -> None:
@@ -246,7 +272,19 @@ class _BasePolicy:
     def _best_prefill(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> _PrefillOption:
         """Prefill node with the least estimated TTFT for this request (Eq. 1); with admission on, carried on to
         the first token on its hand-off target: its KV's wait, its transfer, a decode step
-        (``core.admission.handoff_ttft_s``)."""
+        (``core.admission.handoff_ttft_s``). Ties go to the node first in the view."""
+        index = self._prefill_index if len(view.prefill) >= index_module.MIN_NODES else None
+        if index is None:
+            best, best_s, best_cached = self._priced_prefill(prompt_tokens, view, hits)
+        else:
+            best, best_s, best_cached = self._indexed_prefill(prompt_tokens, view, hits, index)
+        option = _PrefillOption(best, best_s, best_cached, 0.0, None)
+        return self._earliest_handoff(prompt_tokens, view, hits, option) if self.params.admission.on else option
+
+    def _priced_prefill(
+        self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None
+    ) -> tuple[PrefillNodeView, float, int]:
+        """(node, Eq. 1 seconds, cached tokens) of the best prefill node, every node priced."""
         chunk = self.params.prefill_chunk_tokens
         best, best_s, best_cached = view.prefill[0], math.inf, 0
         for node in view.prefill:
@@ -254,30 +292,90 @@ class _BasePolicy:
             seconds = self._estimate(self.prefill_model, node, prompt_tokens, chunk, cached, self._prefill_walks)
             if seconds < best_s:
                 best, best_s, best_cached = node, seconds, cached
-        if not self.params.admission.on:
-            return _PrefillOption(best, best_s, best_cached, 0.0, None)
-        return self._earliest_handoff(prompt_tokens, view, hits, _PrefillOption(best, best_s, best_cached, 0.0, None))
+        return best, best_s, best_cached
+
+    def _indexed_prefill(
+        self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None, index: PrefillIndex
+    ) -> tuple[PrefillNodeView, float, int]:
+        """``_priced_prefill`` from the index: the nodes holding part of the prompt priced, of the others the
+        least queue wait (and any node whose estimate rounds to the same seconds, for the tie rule)."""
+        index.sync(view.prefill)
+        model, chunk, own = self.prefill_model, self.params.prefill_chunk_tokens, self._own_prefill
+        held = index.held(hits.tokens_by_node if hits else None)
+        best, best_s, best_cached = -1, math.inf, 0
+        for position, cached in held.items():
+            seconds = index.waits[position] + own(model, prompt_tokens, cached, chunk)
+            if (seconds, position) < (best_s, best):
+                best, best_s, best_cached = position, seconds, cached
+        cold_s = own(model, prompt_tokens, 0, chunk)
+        for wait_s, position in zip(index.by_wait.keys, index.by_wait.ids, strict=True):
+            seconds = wait_s + cold_s
+            if seconds > best_s:
+                break
+            if position not in held and (seconds, position) < (best_s, best):
+                best, best_s, best_cached = position, seconds, 0
+        if best < 0:  # every estimate inf: the first node, as pricing each would
+            return view.prefill[0], math.inf, 0
+        return view.prefill[best], best_s, best_cached
 
     def _earliest_handoff(
         self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None, prefill: _PrefillOption
     ) -> _PrefillOption:
         """With admission on: ``prefill`` carried on to the decode node where the hand-off's estimated first token
-        comes first (``core.admission.handoff_ttft_s``, its KV's wait for that node included)."""
+        comes first (``core.admission.handoff_ttft_s``, its KV's wait for that node included); ties go to the
+        node first in the view."""
+        index = self._decode_index if len(view.decode) >= index_module.MIN_NODES else None
+        if index is not None:
+            index.sync(view.decode)
+            held = index.held(hits.tokens_by_node if hits else None)
         params, model = self.params, self.decode_model
         budget_s, setup, rate = params.tbt_budget_s, params.handoff_setup_tokens, params.handoff_tokens_per_s
-        best = prefill
-        for node in view.decode:
-            held = hits.at(node.node_id) if hits else 0
-            wait_s = kv_wait_s(model, node, prompt_tokens, budget_s, held)
-            seconds = handoff_ttft_s(model, node, prefill.ttft_s, wait_s, prompt_tokens, held, setup, rate)
-            if best.target is None or seconds < best.ttft_s:
-                best = replace(prefill, ttft_s=seconds, kv_wait_s=wait_s, target=node)
+        best, best_at = prefill, -1
+
+        def price(position: int, tokens_held: int) -> None:
+            nonlocal best, best_at
+            node = view.decode[position]
+            wait_s = kv_wait_s(model, node, prompt_tokens, budget_s, tokens_held)
+            seconds = handoff_ttft_s(model, node, prefill.ttft_s, wait_s, prompt_tokens, tokens_held, setup, rate)
+            if best.target is None or (seconds, position) < (best.ttft_s, best_at):
+                best, best_at = replace(prefill, ttft_s=seconds, kv_wait_s=wait_s, target=node), position
+
+        if index is None:
+            for position, node in enumerate(view.decode):
+                price(position, hits.at(node.node_id) if hits else 0)
+            return best
+        for position, tokens_held in held.items():
+            price(position, tokens_held)
+        assert isinstance(model, StepLatencyModel)  # bounded() holds for an indexed model
+        transfer_s = (setup + prompt_tokens) / rate if rate > 0 else 0.0
+        floor_s = prefill.ttft_s + transfer_s + model.c0 + model.c_kv * prompt_tokens
+        by_first_step = index.twins.lists[0]
+        for first_step_s, group in zip(by_first_step.keys, by_first_step.ids, strict=True):
+            if best.target is not None and (floor_s + first_step_s[0]) * (1 - SAFETY) > best.ttft_s:
+                break
+            first = index.twins.first_of(group, held)
+            if first is not None:
+                price(first, 0)
         return best
 
     def _fastest_deflection(
+        self, prompt_tokens: int, view: ClusterView, plan: Planner, hits: PrefixHits | None, prunable: bool = False
+    ) -> tuple[_DecodeOption | None, int, int]:
+        """Fastest decode option under ``plan`` (ties: the node first in the view); also counts the nodes short of
+        KV and the infeasible ones, exact when no node is feasible. ``prunable``: ``plan`` is Eq. 5's sweep,
+        whose times ``core.index`` bounds."""
+        index = self._decode_index if prunable and len(view.decode) >= index_module.MIN_NODES else None
+        if index is None:
+            return self._deflection_over(prompt_tokens, view, plan, hits)
+        index.sync(view.decode)
+        found = self._deflection_pruned(prompt_tokens, plan, hits, index)
+        # no node feasible: every node counted, for the reason's counts (the pruned search counts twins once)
+        return found if found[0] is not None else self._deflection_over(prompt_tokens, view, plan, hits)
+
+    def _deflection_over(
         self, prompt_tokens: int, view: ClusterView, plan: Planner, hits: PrefixHits | None
     ) -> tuple[_DecodeOption | None, int, int]:
-        """Fastest decode option under ``plan``; also counts the nodes short of KV and the infeasible ones."""
+        """``_fastest_deflection`` pricing every node, in view order."""
         best: _DecodeOption | None = None
         lacking_kv = infeasible = 0
         protect, budget_s = self.params.admission.on, self.params.tbt_budget_s
@@ -286,12 +384,10 @@ class _BasePolicy:
             if node.headroom_kv_tokens < prompt_tokens - cached:
                 lacking_kv += 1
                 continue
-            wait_s, batch_size, kv_tokens = after_committed(self.decode_model, node, self._decode_walks)
-            if protect:  # planned beside the batch the bound hand-offs join, and joining it within the budget
-                batch_size, kv_tokens = batch_size + node.incoming_requests, kv_tokens + node.incoming_kv_tokens
-                if not joined_step_fits(self.decode_model, batch_size, kv_tokens, prompt_tokens, budget_s):
-                    infeasible += 1
-                    continue
+            wait_s, batch_size, kv_tokens = planned_beside(self.decode_model, node, protect, self._decode_walks)
+            if protect and not joined_step_fits(self.decode_model, batch_size, kv_tokens, prompt_tokens, budget_s):
+                infeasible += 1
+                continue
             limit_s = math.inf if best is None else best.ttft_s - wait_s
             if limit_s <= 0.0:
                 continue  # already slower than the best before its own first step
@@ -304,6 +400,66 @@ class _BasePolicy:
             if best is None or wait_s + seconds < best.ttft_s:
                 best = _DecodeOption(node, wait_s + seconds, runs, cached)
         return best, lacking_kv, infeasible
+
+    def _deflection_pruned(
+        self, prompt_tokens: int, plan: Planner, hits: PrefixHits | None, index: DecodeIndex
+    ) -> tuple[_DecodeOption | None, int, int]:
+        """``_fastest_deflection`` over the index's groups in order of their bound (``core.index``); the counts
+        are not kept (returned 0)."""
+        model, params = index.model, self.params
+        protect, budget_s, candidates = params.admission.on, params.tbt_budget_s, params.chunk_candidates
+        held = index.held(hits.tokens_by_node if hits else None)
+        assert index.nodes is not None
+        nodes = index.nodes
+        best: _DecodeOption | None = None
+        best_at = -1
+
+        def price(position: int, cached: int) -> None:
+            nonlocal best, best_at
+            entry = index.entries[position]
+            if entry.node.headroom_kv_tokens < prompt_tokens - cached:
+                return
+            wait_s, batch_size, kv_tokens = entry.wait_s, entry.batch_size, entry.kv_tokens
+            if protect and not joined_step_fits(model, batch_size, kv_tokens, prompt_tokens, budget_s):
+                return
+            if best is not None:
+                limit_s = best.ttft_s - wait_s
+                if limit_s <= 0.0:
+                    return
+                if not cached:
+                    bound_s = deflection_bound_s(
+                        model, prompt_tokens, wait_s, entry.batch_s, kv_tokens, candidates, budget_s
+                    )
+                    if bound_s > best.ttft_s:
+                        return
+            else:
+                limit_s = math.inf
+            found = plan(batch_size, kv_tokens, limit_s, cached)
+            if found is None:
+                return
+            runs, seconds = found
+            if best is None or (wait_s + seconds, position) < (best.ttft_s, best_at):
+                node = nodes[position]
+                assert isinstance(node, DecodeNodeView)
+                best, best_at = _DecodeOption(node, wait_s + seconds, runs, cached), position
+
+        for position, cached in held.items():
+            price(position, cached)
+        entries = index.entries
+
+        def has_room(position: int) -> bool:
+            return entries[position].node.headroom_kv_tokens >= prompt_tokens
+
+        # LB >= LB(idle) + W + k (T0 - c0) (core.index): the nodes in that order, until it passes the best
+        slope = idle_slope(model, prompt_tokens, candidates, budget_s)
+        by = index.plans.lists[WEIGHTS.index(slope)]
+        idle_s = deflection_bound_s(model, prompt_tokens, 0.0, 0.0, 0.0, candidates, budget_s)
+        for key, group in zip(by.keys, by.ids, strict=True):
+            if best is not None and (idle_s + key[0]) * (1 - SAFETY) > best.ttft_s:
+                break
+            if (first := index.plans.first_of(group, held, has_room)) is not None:
+                price(first, 0)
+        return best, 0, 0
 
     def _handoff_target(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> DecodeNodeView:
         """Decode node for a disaggregated request: the one its KV reaches first, among those that can take it.
@@ -327,16 +483,42 @@ class _BasePolicy:
             """KV room once the hand-offs bound there have joined, what the node holds of the prompt counting."""
             return n.headroom_kv_tokens - n.incoming_kv_tokens + held(n.node_id)
 
-        able = [n for n in view.decode if handoff_fits(model, n, prompt_tokens, budget_s, held(n.node_id))]
-        if able:
-            return min(
-                able,
-                key=lambda n: (
-                    n.incoming_kv_tokens + setup * n.incoming_requests + prompt_tokens - held(n.node_id),
-                    n.incoming_requests,
-                    -n.headroom_kv_tokens,
-                ),
-            )
+        index = self._decode_index if len(view.decode) >= index_module.MIN_NODES else None
+        if index is None:
+            able = [n for n in view.decode if handoff_fits(model, n, prompt_tokens, budget_s, held(n.node_id))]
+            if able:
+                return min(
+                    able,
+                    key=lambda n: (
+                        n.incoming_kv_tokens + setup * n.incoming_requests + prompt_tokens - held(n.node_id),
+                        n.incoming_requests,
+                        -n.headroom_kv_tokens,
+                    ),
+                )
+        else:  # the same ranking from the index: the nodes holding part of the prompt, then the first able other
+            index.sync(view.decode)
+            holding = index.held(hits.tokens_by_node if hits else None)
+            best: tuple[tuple[float, ...], int] | None = None
+            for position, tokens in holding.items():
+                node = view.decode[position]
+                if handoff_fits(model, node, prompt_tokens, budget_s, tokens):
+                    tokens_bound, bound, headroom = index.entries[position].link
+                    ranked: tuple[tuple[float, ...], int] = (
+                        (tokens_bound + prompt_tokens - tokens, bound, headroom),
+                        position,
+                    )
+                    best = ranked if best is None else min(best, ranked)
+            by_link = index.twins.lists[1]
+            for link, group in zip(by_link.keys, by_link.ids, strict=True):
+                if best is not None and (link[0] + prompt_tokens, link[1], link[2]) > best[0]:
+                    break
+                first = index.twins.first_of(group, holding)
+                if first is None or not handoff_fits(model, view.decode[first], prompt_tokens, budget_s):
+                    continue
+                ranked = ((link[0] + prompt_tokens, link[1], link[2]), first)
+                best = ranked if best is None else min(best, ranked)
+            if best is not None:
+                return view.decode[best[1]]
         return max(view.decode, key=lambda n: (room(n), -n.batch_size - n.incoming_requests))
 
     def _to_prefill(
@@ -399,6 +581,7 @@ class KairosPolicy(_BasePolicy):
                 cached,
             ),
             hits,
+            prunable=True,
         )
         if option is None:
             reason = f"no TBT-safe decode node ({infeasible} infeasible, {lacking_kv} short of KV)"

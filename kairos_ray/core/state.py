@@ -103,6 +103,19 @@ class ClusterView:
 
     prefill: tuple[PrefillNodeView, ...]
     decode: tuple[DecodeNodeView, ...]
+    # node id -> (pool, position), built once asked; a view ``apply_decision`` derives shares it (same order)
+    _positions: dict[str, tuple[int, int]] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def position(self, node_id: str | None) -> tuple[int, int] | None:
+        """(0 for prefill or 1 for decode, index in that pool) of a node of this view, or None."""
+        if node_id is None:
+            return None
+        if self._positions is None:
+            positions = {node.node_id: (0, i) for i, node in enumerate(self.prefill)}
+            positions.update((node.node_id, (1, i)) for i, node in enumerate(self.decode))
+            object.__setattr__(self, "_positions", positions)
+        assert self._positions is not None
+        return self._positions.get(node_id)
 
 
 class ShedReason(StrEnum):
@@ -174,11 +187,37 @@ def apply_decision(view: ClusterView, prompt_tokens: int, decision: Decision, ou
     charging it would count it twice. A hit on blocks no request holds takes them off the
     node's free list; the node's next report shows that. A shed decision changes nothing.
     """
+    if decision.shed:
+        return view
     decided = ((prompt_tokens, decision, output_tokens),)
-    return ClusterView(
-        tuple(node_after(node, decided) for node in view.prefill),
-        tuple(node_after(node, decided) for node in view.decode),
-    )
+    changed = []
+    for node_id in {decision.prefill_node, decision.decode_node}:  # the only nodes a decision changes
+        at = view.position(node_id)
+        if at is not None:
+            node = (view.prefill, view.decode)[at[0]][at[1]]
+            changed.append(node_after(node, decided))
+    after = with_nodes(view, changed)
+    assert after is not None, "nodes of the view"
+    return after
+
+
+def with_nodes(view: ClusterView, nodes: Iterable[PrefillNodeView | DecodeNodeView]) -> ClusterView | None:
+    """``view`` with these nodes' views in the places of the nodes of the same ids (None if one is not in it):
+    O(changed nodes) where rebuilding the view is O(fleet), and unchanged nodes stay the same objects, which a
+    policy's index (``core.index``) takes as unchanged."""
+    pools: list[list[PrefillNodeView | DecodeNodeView]] | None = None
+    for node in nodes:
+        at = view.position(node.node_id)
+        if at is None or isinstance(node, DecodeNodeView) != (at[0] == 1):
+            return None
+        if pools is None:
+            pools = [list(view.prefill), list(view.decode)]
+        pools[at[0]][at[1]] = node
+    if pools is None:
+        return view
+    after = ClusterView(tuple(pools[0]), tuple(pools[1]))  # type: ignore[arg-type]
+    object.__setattr__(after, "_positions", view._positions)
+    return after
 
 
 @overload

@@ -63,6 +63,7 @@ from kairos_ray.core import (
     Route,
     apply_decision,
     node_after,
+    with_nodes,
 )
 from kairos_ray.heap import freeze_startup_heap
 from kairos_ray.messages import DecisionRequest, NodeState, PrefixDelta, Residue, RouterLive, RoutingReply, WireAddress
@@ -246,9 +247,14 @@ class RouterState:
         return node_after(self.states[node].view, ((e.prompt_tokens, e.decision, e.output_tokens) for e in entries))
 
     def _current(self) -> ClusterView:
-        """The view with the ledger applied, rebuilding only the nodes that changed since the last decision."""
+        """The view with the ledger applied, rebuilding only the nodes that changed since the last decision
+        (in place while no node joined: ``core.state.with_nodes``)."""
         if self._view is None:
             self._view, self._stale = ClusterView((), ()), set(self.states)
+        if self._stale and len(self.states) == len(self._view.prefill) + len(self._view.decode):
+            patched = with_nodes(self._view, [self._node_view(node) for node in self._stale if node in self.states])
+            if patched is not None:
+                self._view, self._stale = patched, set()
         if self._stale:
             views: dict[str, PrefillNodeView | DecodeNodeView] = {view.node_id: view for view in self._view.prefill}
             views.update((view.node_id, view) for view in self._view.decode)

@@ -1,0 +1,384 @@
+"""Decisions that do not grow with the fleet: nodes indexed by what bounds their answer.
+
+Algorithm 1 prices every decode node (Eq. 5-6) and every prefill node (Eq. 1-2)
+per request. A policy keeps instead, for the view it last decided on, each
+node's request-independent quantities in sorted lists, brings them up to date
+for the nodes whose view changed (a report, a ledger entry: a few per
+decision, whatever the fleet's size), and prices exactly only the nodes that
+can still win. The decisions are the exhaustive search's: same node, same
+schedule, same estimates (``tests/core/test_index.py`` checks it on random
+fleets against ``PolicyParams(prune=False)``).
+
+Deflection (Eq. 6). A node n whose cache holds none of the prompt's l tokens
+has, once its committed deflections have run, a wait W, a batch of B (cost
+f = B (c_batch + c_batch_sq B)) and K resident tokens. Every step of its
+LargestSafe schedule fits beta * tau (Eq. 5), so no chunk is larger than
+
+    chi_max = min(chi_1, l, floor((beta tau - T0) / (c_chunk + c_chunk_kv K))),   T0 = c0 + f + c_kv K,
+
+there are at least m = ceil(l / chi_max) steps, the chunks never grow (so
+sum P_i >= l (m - 1) / 2) and sum chi_i P_i = (l^2 - sum chi_i^2) / 2 >=
+(l^2 - chi_max l) / 2. With every coefficient non-negative, Eq. 4 summed over
+the schedule is then at least
+
+    LB(W, f, K) = W + m T0 + (c_chunk + c_chunk_kv K) l + (c_kv + c_prefix) l (m - 1) / 2
+                  + (c_chunk_kv + c_chunk_prefix) (l^2 - chi_max l) / 2,
+
+non-decreasing in each of W, f and K. The policy reads the three sorted lists
+in step (Fagin's threshold algorithm): it prices each node it meets (first
+against its own LB, then with the sweep), and stops as soon as LB at the depth
+reached, below which no unseen node lies, exceeds the best TTFT found. Nodes
+whose cache holds part of the prompt are priced directly.
+
+Prefill nodes (Eq. 1-2). A node's queue wait does not depend on the request,
+so among nodes that hold none of the prompt the fastest is the one with the
+least wait: the list sorted by it answers at its head.
+
+Hand-off target. Without admission the ranking key (``core.policy``) is the
+tokens bound for the node's link plus the request's own: the first node in
+that order that can take the hand-off wins. With admission, its estimate
+(``core.admission.handoff_ttft_s``) is at least TTFT_pf + T_kv + T0(B + I + 1,
+K + I_kv + l), so the nodes are read in order of T0's node part.
+
+A model with a negative coefficient (a refit can produce one) has no such
+bounds: every node is priced, as when ``prune`` is off.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, insort
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import compress
+from operator import is_not
+from typing import Generic, TypeVar
+
+from kairos_ray.core.estimate import QueueTTFT, QueueWalks, after_committed
+from kairos_ray.core.latency import StepLatency, StepLatencyModel, tiles
+from kairos_ray.core.state import DecodeNodeView, PrefillNodeView
+
+MIN_NODES = 16
+"""A pool smaller than this is priced node by node: its index would cost more to keep than it saves."""
+
+SAFETY = 1e-9
+"""Relative margin a bound gives away to rounding: it is summed in another order than the exact price."""
+
+
+def bounded(model: StepLatency) -> bool:
+    """Whether ``model`` admits the bounds above: the linear model (Eq. 4) with no negative coefficient."""
+    return isinstance(model, StepLatencyModel) and bool((model.coefficients >= 0).all())
+
+
+def batch_cost_s(model: StepLatencyModel, batch_size: int) -> float:
+    """f(B) = B (c_batch + c_batch_sq B): the batch's part of T0 (Eq. 4)."""
+    return batch_size * (model.c_batch + model.c_batch_sq * batch_size)
+
+
+def deflection_bound_s(
+    model: StepLatencyModel,
+    prompt_tokens: int,
+    wait_s: float,
+    batch_s: float,
+    kv_tokens: float,
+    candidates: Sequence[int],
+    budget_s: float,
+) -> float:
+    """LB(W, f, K) (module docstring): no LargestSafe schedule of ``prompt_tokens`` cold tokens over
+    ``candidates`` (decreasing) within ``budget_s`` per step finishes sooner on a node with this wait, batch cost
+    and resident KV; inf when it has none."""
+    tokens = float(prompt_tokens)
+    t0 = model.c0 + batch_s + model.c_kv * kv_tokens
+    shape = _fewest_steps(model, prompt_tokens, t0, kv_tokens, candidates, budget_s)
+    if shape is None:
+        return math.inf
+    fewest, cap = shape
+    square = model.c_chunk_sq
+    growth = model.c_kv + model.c_prefix  # per step, per token of the request's own prefix P_i
+    pair = model.c_chunk_kv + model.c_chunk_prefix  # per chi_i P_i
+    # sum over steps: m t0 + growth sum P_i + square sum chi^2 + pair (l^2 - sum chi^2) / 2, with sum P_i >= l (m-1)/2
+    per_step = t0 + growth * tokens / 2
+    spread = square - pair / 2  # what sum chi^2 costs, net: bounded by l^2 / m from below, cap l from above
+    if spread > 0:
+        steps = max(float(fewest), tokens * math.sqrt(spread / per_step)) if per_step > 0 else float(fewest)
+        squares_s = spread * tokens * tokens / steps
+    else:
+        steps, squares_s = float(fewest), spread * cap * tokens
+    seconds = (
+        wait_s
+        + steps * per_step
+        - growth * tokens / 2
+        + model.c_chunk * tiles(prompt_tokens, model.tile_tokens)
+        + model.c_chunk_kv * kv_tokens * tokens
+        + pair * tokens * tokens / 2
+        + squares_s
+    )
+    return seconds * (1 - SAFETY)
+
+
+def _fewest_steps(
+    model: StepLatencyModel, prompt_tokens: int, t0: float, kv_tokens: float, candidates: Sequence[int], budget_s: float
+) -> tuple[int, int] | None:
+    """(m, chi_max): at least how many steps a LargestSafe schedule takes on a node whose decode part of a step
+    is ``t0``, and the largest chunk it can run; None when it has no schedule."""
+    per_token = model.c_chunk + model.c_chunk_kv * kv_tokens
+    room = budget_s * (1 + SAFETY) - t0
+    square = model.c_chunk_sq
+    if room < per_token + square:
+        return None
+    # the largest chunk a step can hold: c_chunk_sq chi^2 + per_token chi <= room (the root in its stable form)
+    scale = per_token + math.sqrt(per_token * per_token + 4 * square * room)
+    most = 2 * room / scale if scale > 0 else math.inf
+    if prompt_tokens <= most:
+        return 1, prompt_tokens
+    # every chunk but the last is a candidate that fits (at most the largest such, c*); the last, at most `most`
+    largest = next((c for c in candidates if c <= most), 0)
+    if not largest:
+        return None
+    return 1 + -(-(prompt_tokens - math.floor(most)) // largest), math.floor(most)
+
+
+WEIGHTS = (1, 2, 4, 8, 16, 32, 64)
+"""The slopes k of the deflection lists' keys W + k (T0 - c0) (``DecodeIndex``)."""
+
+
+def idle_slope(model: StepLatencyModel, prompt_tokens: int, candidates: Sequence[int], budget_s: float) -> int:
+    """The list a request is searched by: the largest k of ``WEIGHTS`` at most the fewest steps of its schedule
+    on an idle node (LB grows at least that fast with T0; module docstring)."""
+    shape = _fewest_steps(model, prompt_tokens, model.c0, 0.0, candidates, budget_s)
+    fewest = shape[0] if shape else 1
+    return max(k for k in WEIGHTS if k <= fewest)
+
+
+def planned_beside(
+    model: StepLatency, node: DecodeNodeView, protect: bool, walks: QueueWalks | None
+) -> tuple[float, int, int]:
+    """(W, B, K) a deflection onto ``node`` is planned with: once its committed deflections have run (Eq. 6
+    behind them), and under decode-side protection (``core.admission``) with the hand-offs bound there joined."""
+    wait_s, batch_size, kv_tokens = after_committed(model, node, walks)
+    if protect:
+        batch_size, kv_tokens = batch_size + node.incoming_requests, kv_tokens + node.incoming_kv_tokens
+    return wait_s, batch_size, kv_tokens
+
+
+K = TypeVar("K")
+
+
+class SortedPairs(Generic[K]):
+    """(key, id) pairs in ascending order, kept sorted as they come and go: ``keys[d]`` and ``ids[d]`` are the
+    d-th smallest (ids are positions or twin groups)."""
+
+    def __init__(self, pairs: list[tuple[K, int]]) -> None:
+        pairs.sort()
+        self._pairs = pairs
+        self.keys = [key for key, _ in pairs]
+        self.ids = [id_ for _, id_ in pairs]
+
+    def add(self, key: K, id_: int) -> None:
+        at = bisect_left(self._pairs, (key, id_))
+        self._pairs.insert(at, (key, id_))
+        self.keys.insert(at, key)
+        self.ids.insert(at, id_)
+
+    def remove(self, key: K, id_: int) -> None:
+        at = bisect_left(self._pairs, (key, id_))
+        del self._pairs[at], self.keys[at], self.ids[at]
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeEntry:
+    """What a decode node's answers depend on besides the request (module docstring)."""
+
+    node: DecodeNodeView
+    wait_s: float  # W: its committed deflections' remaining time (Eq. 6 behind them)
+    batch_size: int  # B a deflection is planned beside (the bound hand-offs joined under protection)
+    kv_tokens: int  # K likewise
+    batch_s: float  # f(B)
+    first_step_s: float  # a hand-off's first step, less c0 and c_kv l: f(B + I + 1) + c_kv (K + I_kv)
+    link: tuple[int, int, int]  # the hand-off ranking less the request: (link tokens, hand-offs, -headroom)
+
+
+def twin_key(node: DecodeNodeView) -> tuple[object, ...]:
+    """A decode node's view without its id: equal for nodes that every hand-off estimate prices alike."""
+    return (
+        node.batch_size,
+        node.kv_tokens,
+        node.free_kv_tokens,
+        node.committed,
+        node.head_prefilled_tokens,
+        node.committed_cached_tokens,
+        node.incoming_requests,
+        node.incoming_kv_tokens,
+        node.incoming_transfers,
+        node.incoming_transfer_tokens,
+        node.finished_per_s,
+    )
+
+
+SortKey = tuple[float, ...] | tuple[int, ...]
+
+
+class Groups:
+    """Nodes grouped by what an estimate reads of them, each group once in sorted lists (by a key per list).
+
+    Nodes of one group are priced alike, so a search prices a group once and, as pricing every node in view
+    order would, gives it to its first position that qualifies (``first_of``): idle nodes, most often, are one
+    group however many there are.
+    """
+
+    def __init__(
+        self, group_key: Callable[[DecodeEntry], Hashable], sort_keys: Callable[[DecodeEntry], tuple[SortKey, ...]]
+    ) -> None:
+        self._group_key, self._sort_keys = group_key, sort_keys
+        self.lists: tuple[SortedPairs[SortKey], ...] = ()
+        self.positions: dict[int, list[int]] = {}  # group id -> its positions, ascending
+        self._ids: dict[Hashable, int] = {}
+        self._of: dict[int, int] = {}  # position -> group id
+        self._next = 0
+
+    def clear(self, count: int) -> None:
+        self.lists = tuple(SortedPairs([]) for _ in range(count))
+        self.positions, self._ids, self._of = {}, {}, {}
+
+    def join(self, position: int, entry: DecodeEntry) -> None:
+        key = self._group_key(entry)
+        group = self._ids.get(key)
+        if group is None:
+            group, self._next = self._next, self._next + 1
+            self._ids[key], self.positions[group] = group, [position]
+            for pairs, sort_key in zip(self.lists, self._sort_keys(entry), strict=True):
+                pairs.add(sort_key, group)
+        else:
+            insort(self.positions[group], position)
+        self._of[position] = group
+
+    def leave(self, position: int, entry: DecodeEntry) -> None:
+        group = self._of.pop(position)
+        members = self.positions[group]
+        members.remove(position)
+        if not members:
+            del self.positions[group], self._ids[self._group_key(entry)]
+            for pairs, sort_key in zip(self.lists, self._sort_keys(entry), strict=True):
+                pairs.remove(sort_key, group)
+
+    def first_of(self, group: int, skip: Mapping[int, int], accept: Callable[[int], bool] | None = None) -> int | None:
+        """The first position of ``group`` not in ``skip`` (the nodes holding part of the prompt) and, given
+        ``accept``, accepted by it."""
+        for position in self.positions[group]:
+            if position not in skip and (accept is None or accept(position)):
+                return position
+        return None
+
+
+class _Index:
+    """The node views last indexed, by position, and where each node id sits."""
+
+    def __init__(self) -> None:
+        self.nodes: tuple[PrefillNodeView, ...] | tuple[DecodeNodeView, ...] | None = None
+        self.positions: dict[str, int] = {}
+
+    def _changed(self, nodes: tuple[PrefillNodeView, ...] | tuple[DecodeNodeView, ...]) -> list[int] | None:
+        """Positions whose view is a new object since the last sync; None when the node list must be rebuilt."""
+        views: Sequence[PrefillNodeView | DecodeNodeView] = nodes
+        if self.nodes is None or len(self.nodes) != len(views):
+            self.nodes = nodes
+            self.positions = {node.node_id: i for i, node in enumerate(views)}
+            return None
+        before: Sequence[PrefillNodeView | DecodeNodeView] = self.nodes
+        changed = list(compress(range(len(views)), map(is_not, views, before)))
+        for i in changed:
+            old, new = before[i], views[i]
+            if old.node_id != new.node_id:
+                if self.positions.get(old.node_id) == i:
+                    del self.positions[old.node_id]
+                self.positions[new.node_id] = i
+        self.nodes = nodes
+        return changed
+
+    def held(self, hits: Mapping[str, int] | None) -> dict[int, int]:
+        """Position -> prompt tokens held there, for the indexed nodes whose cache holds any of the prompt."""
+        if not hits:
+            return {}
+        found = {}
+        for node_id, tokens in hits.items():
+            if tokens > 0 and (position := self.positions.get(node_id)) is not None:
+                found[position] = tokens
+        return found
+
+
+class DecodeIndex(_Index):
+    """A policy's decode nodes: for deflections grouped by (W, B, K) and sorted by W, f(B) and K; for
+    hand-offs grouped as twins and sorted by a hand-off's first step and by its link ranking."""
+
+    def __init__(self, model: StepLatencyModel, protect: bool, setup_tokens: int, walks: QueueWalks) -> None:
+        super().__init__()
+        self.model, self.protect, self.setup_tokens, self.walks = model, protect, setup_tokens, walks
+        self.entries: list[DecodeEntry] = []
+        self.plans = Groups(lambda e: (e.wait_s, e.batch_size, e.kv_tokens), self._plan_keys)
+        self.twins = Groups(lambda e: twin_key(e.node), lambda e: ((e.first_step_s,), e.link))
+
+    def _plan_keys(self, entry: DecodeEntry) -> tuple[SortKey, ...]:
+        """Each deflection list's key, W + k (T0 - c0) per slope k of ``WEIGHTS`` (then T0, the lighter node
+        first)."""
+        step_s = entry.batch_s + self.model.c_kv * entry.kv_tokens  # T0 - c0
+        return tuple((entry.wait_s + k * step_s, step_s) for k in WEIGHTS)
+
+    def entry(self, node: DecodeNodeView) -> DecodeEntry:
+        model = self.model
+        wait_s, batch_size, kv_tokens = planned_beside(model, node, self.protect, self.walks)
+        joined = node.batch_size + node.incoming_requests + 1
+        first_step_s = batch_cost_s(model, joined) + model.c_kv * (node.kv_tokens + node.incoming_kv_tokens)
+        link = (
+            node.incoming_kv_tokens + self.setup_tokens * node.incoming_requests,
+            node.incoming_requests,
+            -node.headroom_kv_tokens,
+        )
+        return DecodeEntry(node, wait_s, batch_size, kv_tokens, batch_cost_s(model, batch_size), first_step_s, link)
+
+    def sync(self, nodes: tuple[DecodeNodeView, ...]) -> None:
+        """Bring the index to ``nodes``: O(changed nodes x log of the fleet), or a rebuild when the fleet changed."""
+        if nodes is self.nodes:
+            return
+        changed = self._changed(nodes)
+        if changed is None:
+            self.entries = [self.entry(node) for node in nodes]
+            self.plans.clear(len(WEIGHTS))
+            self.twins.clear(2)
+            for i, entry in enumerate(self.entries):
+                self.plans.join(i, entry)
+                self.twins.join(i, entry)
+            return
+        for i in changed:
+            old, new = self.entries[i], self.entry(nodes[i])
+            self.entries[i] = new
+            self.plans.leave(i, old)
+            self.twins.leave(i, old)
+            self.plans.join(i, new)
+            self.twins.join(i, new)
+
+
+class PrefillIndex(_Index):
+    """A policy's prefill nodes sorted by their queue wait (Eq. 2 or the walked FIFO)."""
+
+    def __init__(self, model: StepLatency, queue_wait: QueueTTFT, chunk_tokens: int, walks: QueueWalks) -> None:
+        super().__init__()
+        self.model, self.queue_wait, self.chunk_tokens, self.walks = model, queue_wait, chunk_tokens, walks
+        self.waits: list[float] = []
+        self.by_wait: SortedPairs[float] = SortedPairs([])
+
+    def sync(self, nodes: tuple[PrefillNodeView, ...]) -> None:
+        if nodes is self.nodes:
+            return
+        changed = self._changed(nodes)
+        wait = self.queue_wait
+        if changed is None:
+            self.waits = [wait(self.model, node, self.chunk_tokens, self.walks) for node in nodes]
+            self.by_wait = SortedPairs([(w, i) for i, w in enumerate(self.waits)])
+            return
+        for i in changed:
+            self.by_wait.remove(self.waits[i], i)
+            self.waits[i] = wait(self.model, nodes[i], self.chunk_tokens, self.walks)
+            self.by_wait.add(self.waits[i], i)
