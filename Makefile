@@ -24,8 +24,7 @@ test-fast: setup  # the unit layer: no Ray cluster, no vLLM engine (tests/confte
 	.venv/bin/python -m pytest -m unit -q
 
 bench: setup
-	.venv/bin/python -m kairos_ray.bench.decision --decode-nodes 2 --json
-	.venv/bin/python -m kairos_ray.bench.decision --decode-nodes 64 --json
+	for n in 2 64 256 1024; do .venv/bin/python -m kairos_ray.bench.decision --decode-nodes $$n --json; done
 	.venv/bin/python -m kairos_ray.bench.sim_speed
 
 lint: setup

@@ -58,6 +58,12 @@ from kairos_ray.core.estimate import QueueTTFT, QueueWalks, after_committed
 from kairos_ray.core.latency import StepLatency, StepLatencyModel, tiles
 from kairos_ray.core.state import DecodeNodeView, PrefillNodeView
 
+SEGMENTS = 4
+"""At most this many parts a long prompt's steps are counted in (``_fewest_steps``)."""
+
+CHURN = 0.25
+"""When more than this share of a pool's views changed since the last decision, it is priced node by node."""
+
 MIN_NODES = 16
 """A pool smaller than this is priced node by node: its index would cost more to keep than it saves."""
 
@@ -120,22 +126,47 @@ def _fewest_steps(
     model: StepLatencyModel, prompt_tokens: int, t0: float, kv_tokens: float, candidates: Sequence[int], budget_s: float
 ) -> tuple[int, int] | None:
     """(m, chi_max): at least how many steps a LargestSafe schedule takes on a node whose decode part of a step
-    is ``t0``, and the largest chunk it can run; None when it has no schedule."""
-    per_token = model.c_chunk + model.c_chunk_kv * kv_tokens
-    room = budget_s * (1 + SAFETY) - t0
-    square = model.c_chunk_sq
-    if room < per_token + square:
+    is ``t0``, and the largest chunk it can run; None when it has no schedule.
+
+    A chunk fits when c_chunk_sq chi^2 + (c_chunk + c_chunk_kv (K + P) + c_chunk_prefix P) chi <= beta tau - t0
+    - (c_kv + c_prefix) P (Eq. 4's terms that grow with it dropped), so the largest chunk shrinks as the prefix
+    P grows: a prompt longer than a few first chunks is counted in up to ``SEGMENTS`` parts, each at the P it
+    starts from.
+    """
+    most = _largest_chunk(model, t0, kv_tokens, 0.0, budget_s)
+    if most < 1:
         return None
-    # the largest chunk a step can hold: c_chunk_sq chi^2 + per_token chi <= room (the root in its stable form)
-    scale = per_token + math.sqrt(per_token * per_token + 4 * square * room)
-    most = 2 * room / scale if scale > 0 else math.inf
     if prompt_tokens <= most:
         return 1, prompt_tokens
     # every chunk but the last is a candidate that fits (at most the largest such, c*); the last, at most `most`
     largest = next((c for c in candidates if c <= most), 0)
     if not largest:
         return None
-    return 1 + -(-(prompt_tokens - math.floor(most)) // largest), math.floor(most)
+    fewest = 1 + -(-(prompt_tokens - math.floor(most)) // largest)
+    parts = min(SEGMENTS, int(prompt_tokens // most))
+    if parts > 1:  # no chunk spans a part: each part's tokens past the previous one's overhang, at its own P
+        part = prompt_tokens / parts
+        counted, overhang = 0, 0.0
+        for j in range(parts):
+            reach = _largest_chunk(model, t0, kv_tokens, j * part, budget_s)
+            if reach < 1:
+                return None
+            counted += math.ceil(max(0.0, part - overhang) / reach)
+            overhang = reach
+        fewest = max(fewest, counted)
+    return fewest, math.floor(most)
+
+
+def _largest_chunk(model: StepLatencyModel, t0: float, kv_tokens: float, prefix: float, budget_s: float) -> float:
+    """The largest chunk a step with this decode part and the request's own prefix P can hold (module docstring
+    of ``_fewest_steps``; the root of the quadratic in its stable form), below 1 when none can."""
+    room = budget_s * (1 + SAFETY) - t0 - (model.c_kv + model.c_prefix) * prefix
+    per_token = model.c_chunk + model.c_chunk_kv * (kv_tokens + prefix) + model.c_chunk_prefix * prefix
+    square = model.c_chunk_sq
+    if room < per_token + square:
+        return 0.0
+    scale = per_token + math.sqrt(per_token * per_token + 4 * square * room)
+    return 2 * room / scale if scale > 0 else math.inf
 
 
 WEIGHTS = (1, 2, 4, 8, 16, 32, 64)
@@ -278,25 +309,39 @@ class _Index:
 
     def __init__(self) -> None:
         self.nodes: tuple[PrefillNodeView, ...] | tuple[DecodeNodeView, ...] | None = None
+        self.ready = False  # built for ``nodes``
         self.positions: dict[str, int] = {}
 
-    def _changed(self, nodes: tuple[PrefillNodeView, ...] | tuple[DecodeNodeView, ...]) -> list[int] | None:
-        """Positions whose view is a new object since the last sync; None when the node list must be rebuilt."""
+    def _plan(self, nodes: tuple[PrefillNodeView, ...] | tuple[DecodeNodeView, ...]) -> tuple[bool, list[int] | None]:
+        """(whether the index can answer for ``nodes``, the positions to update: None to build it whole).
+
+        A fleet seen for the first time, or one most of whose views are new objects (a simulator that
+        builds its views afresh, a fleet changing size), is priced node by node: the index is built once
+        the views hold still between decisions.
+        """
         views: Sequence[PrefillNodeView | DecodeNodeView] = nodes
-        if self.nodes is None or len(self.nodes) != len(views):
-            self.nodes = nodes
-            self.positions = {node.node_id: i for i, node in enumerate(views)}
-            return None
-        before: Sequence[PrefillNodeView | DecodeNodeView] = self.nodes
+        before = self.nodes
+        if nodes is before:  # asked again for the same decision's view
+            return self.ready, []
+        self.nodes = nodes
+        if before is None or len(before) != len(views):
+            self.ready = False
+            return False, None
         changed = list(compress(range(len(views)), map(is_not, views, before)))
+        if len(changed) > len(views) * CHURN:
+            self.ready = False
+            return False, None
+        if not self.ready:
+            self.positions = {node.node_id: i for i, node in enumerate(views)}
+            self.ready = True
+            return True, None
         for i in changed:
             old, new = before[i], views[i]
             if old.node_id != new.node_id:
                 if self.positions.get(old.node_id) == i:
                     del self.positions[old.node_id]
                 self.positions[new.node_id] = i
-        self.nodes = nodes
-        return changed
+        return True, changed
 
     def held(self, hits: Mapping[str, int] | None) -> dict[int, int]:
         """Position -> prompt tokens held there, for the indexed nodes whose cache holds any of the prompt."""
@@ -338,11 +383,12 @@ class DecodeIndex(_Index):
         )
         return DecodeEntry(node, wait_s, batch_size, kv_tokens, batch_cost_s(model, batch_size), first_step_s, link)
 
-    def sync(self, nodes: tuple[DecodeNodeView, ...]) -> None:
-        """Bring the index to ``nodes``: O(changed nodes x log of the fleet), or a rebuild when the fleet changed."""
-        if nodes is self.nodes:
-            return
-        changed = self._changed(nodes)
+    def sync(self, nodes: tuple[DecodeNodeView, ...]) -> bool:
+        """Bring the index to ``nodes`` (O(changed nodes x log of the fleet)); False: price them node by node
+        (``_plan``)."""
+        usable, changed = self._plan(nodes)
+        if not usable:
+            return False
         if changed is None:
             self.entries = [self.entry(node) for node in nodes]
             self.plans.clear(len(WEIGHTS))
@@ -350,7 +396,7 @@ class DecodeIndex(_Index):
             for i, entry in enumerate(self.entries):
                 self.plans.join(i, entry)
                 self.twins.join(i, entry)
-            return
+            return True
         for i in changed:
             old, new = self.entries[i], self.entry(nodes[i])
             self.entries[i] = new
@@ -358,6 +404,7 @@ class DecodeIndex(_Index):
             self.twins.leave(i, old)
             self.plans.join(i, new)
             self.twins.join(i, new)
+        return True
 
 
 class PrefillIndex(_Index):
@@ -369,16 +416,18 @@ class PrefillIndex(_Index):
         self.waits: list[float] = []
         self.by_wait: SortedPairs[float] = SortedPairs([])
 
-    def sync(self, nodes: tuple[PrefillNodeView, ...]) -> None:
-        if nodes is self.nodes:
-            return
-        changed = self._changed(nodes)
+    def sync(self, nodes: tuple[PrefillNodeView, ...]) -> bool:
+        """As ``DecodeIndex.sync``."""
+        usable, changed = self._plan(nodes)
+        if not usable:
+            return False
         wait = self.queue_wait
         if changed is None:
             self.waits = [wait(self.model, node, self.chunk_tokens, self.walks) for node in nodes]
             self.by_wait = SortedPairs([(w, i) for i, w in enumerate(self.waits)])
-            return
+            return True
         for i in changed:
             self.by_wait.remove(self.waits[i], i)
             self.waits[i] = wait(self.model, nodes[i], self.chunk_tokens, self.walks)
             self.by_wait.add(self.waits[i], i)
+        return True

@@ -273,13 +273,23 @@ class _BasePolicy:
         """Prefill node with the least estimated TTFT for this request (Eq. 1); with admission on, carried on to
         the first token on its hand-off target: its KV's wait, its transfer, a decode step
         (``core.admission.handoff_ttft_s``). Ties go to the node first in the view."""
-        index = self._prefill_index if len(view.prefill) >= index_module.MIN_NODES else None
+        index = self._prefill_index
+        if index is not None and (len(view.prefill) < index_module.MIN_NODES or not index.sync(view.prefill)):
+            index = None
         if index is None:
             best, best_s, best_cached = self._priced_prefill(prompt_tokens, view, hits)
         else:
             best, best_s, best_cached = self._indexed_prefill(prompt_tokens, view, hits, index)
         option = _PrefillOption(best, best_s, best_cached, 0.0, None)
         return self._earliest_handoff(prompt_tokens, view, hits, option) if self.params.admission.on else option
+
+    def _indexed_decode(self, view: ClusterView) -> DecodeIndex | None:
+        """The decode index brought to ``view``, or None where its nodes are priced one by one (``core.index``:
+        a small pool, a model without bounds, a view most of whose nodes are new)."""
+        index = self._decode_index
+        if index is None or len(view.decode) < index_module.MIN_NODES or not index.sync(view.decode):
+            return None
+        return index
 
     def _priced_prefill(
         self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None
@@ -299,7 +309,6 @@ class _BasePolicy:
     ) -> tuple[PrefillNodeView, float, int]:
         """``_priced_prefill`` from the index: the nodes holding part of the prompt priced, of the others the
         least queue wait (and any node whose estimate rounds to the same seconds, for the tie rule)."""
-        index.sync(view.prefill)
         model, chunk, own = self.prefill_model, self.params.prefill_chunk_tokens, self._own_prefill
         held = index.held(hits.tokens_by_node if hits else None)
         best, best_s, best_cached = -1, math.inf, 0
@@ -324,9 +333,8 @@ class _BasePolicy:
         """With admission on: ``prefill`` carried on to the decode node where the hand-off's estimated first token
         comes first (``core.admission.handoff_ttft_s``, its KV's wait for that node included); ties go to the
         node first in the view."""
-        index = self._decode_index if len(view.decode) >= index_module.MIN_NODES else None
+        index = self._indexed_decode(view)
         if index is not None:
-            index.sync(view.decode)
             held = index.held(hits.tokens_by_node if hits else None)
         params, model = self.params, self.decode_model
         budget_s, setup, rate = params.tbt_budget_s, params.handoff_setup_tokens, params.handoff_tokens_per_s
@@ -364,10 +372,9 @@ class _BasePolicy:
         """Fastest decode option under ``plan`` (ties: the node first in the view); also counts the nodes short of
         KV and the infeasible ones, exact when no node is feasible. ``prunable``: ``plan`` is Eq. 5's sweep,
         whose times ``core.index`` bounds."""
-        index = self._decode_index if prunable and len(view.decode) >= index_module.MIN_NODES else None
+        index = self._indexed_decode(view) if prunable else None
         if index is None:
             return self._deflection_over(prompt_tokens, view, plan, hits)
-        index.sync(view.decode)
         found = self._deflection_pruned(prompt_tokens, plan, hits, index)
         # no node feasible: every node counted, for the reason's counts (the pruned search counts twins once)
         return found if found[0] is not None else self._deflection_over(prompt_tokens, view, plan, hits)
@@ -483,7 +490,7 @@ class _BasePolicy:
             """KV room once the hand-offs bound there have joined, what the node holds of the prompt counting."""
             return n.headroom_kv_tokens - n.incoming_kv_tokens + held(n.node_id)
 
-        index = self._decode_index if len(view.decode) >= index_module.MIN_NODES else None
+        index = self._indexed_decode(view)
         if index is None:
             able = [n for n in view.decode if handoff_fits(model, n, prompt_tokens, budget_s, held(n.node_id))]
             if able:
@@ -496,7 +503,6 @@ class _BasePolicy:
                     ),
                 )
         else:  # the same ranking from the index: the nodes holding part of the prompt, then the first able other
-            index.sync(view.decode)
             holding = index.held(hits.tokens_by_node if hits else None)
             best: tuple[tuple[float, ...], int] | None = None
             for position, tokens in holding.items():

@@ -186,14 +186,15 @@ def _sweeps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_a_decision_on_a_large_fleet_prices_few_of_its_nodes(monkeypatch):
     calls = _sweeps(monkeypatch)
     rng = random.Random(7)
-    view = _fleet(rng, 2, 1024)
+    fleet = _fleet(rng, 2, 1024)
     decisions = 200
     for prune in (False, True):
         policy = make_policy("kairos", PolicyParams(prune=prune), A100ISH)
+        view = fleet
         calls[0] = 0
-        for _ in range(decisions):
+        for _ in range(decisions):  # each decision on the view the last one left, as in the router
             prompt = rng.randint(64, 8000)
-            policy.decide(prompt, view)
+            view = apply_decision(view, prompt, policy.decide(prompt, view), 256)
         if prune:
             assert calls[0] / decisions < 0.05 * len(view.decode)
         else:
