@@ -17,7 +17,9 @@ percentile over decisions and the throughput of one pass back to back.
 ``--cold`` times each decision on a view of its own, every node new to the
 policy (what a decision cost before the router kept its index, and what one
 costs after the fleet changes). ``--exhaustive`` prices every node
-(``policy.prune: false``). ``--prefix`` times ``kairos+prefix``, each
+(``policy.prune: false``); ``--admission`` turns admission on, as in the
+shipped apps (hand-offs then go where their first token comes first).
+``--prefix`` times ``kairos+prefix``, each
 decision given the prefix hits of its request: about half the nodes hold a
 random whole-block share of the prompt (``scenarios.random_hits``).
 
@@ -61,9 +63,12 @@ def run(
     reports: int = 4,
     cold: bool = False,
     exhaustive: bool = False,
+    admission: bool = False,
 ) -> dict[str, float | int | bool | str]:
     """Time ``decisions`` kairos decisions (module docstring); returns the JSON report."""
-    config = KairosConfig.model_validate({"policy": {"prune": not exhaustive}})
+    config = KairosConfig.model_validate(
+        {"policy": {"prune": not exhaustive}, "admission": {"mode": "shed" if admission else "off"}}
+    )
     spec = "kairos+prefix" if prefix else "kairos+blind"
     params = config.policy_params()
     decode_model = config.predictor.load()
@@ -105,6 +110,7 @@ def run(
         "prefix_aware": prefix,
         "mode": "cold" if cold else f"router, {reports} reports per decision",
         "pruned": not exhaustive,
+        "admission": admission,
         "decisions": decisions,
         "repeats": repeats,
         "p50_us": round(timings_ns[len(timings_ns) // 2] / 1e3, 2),
@@ -140,6 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--cold", action="store_true", help="every decision on a view of its own, all nodes new")
     parser.add_argument("--exhaustive", action="store_true", help="price every node (policy.prune: false)")
+    parser.add_argument(
+        "--admission", action="store_true", help="admission on (admission.mode: shed), as the shipped apps run"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence")
     args = parser.parse_args(argv)
     for flag in ("decode_nodes", "prefill_nodes", "decisions", "repeats"):
@@ -157,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.reports,
         args.cold,
         args.exhaustive,
+        args.admission,
     )
     if args.json:
         print(json.dumps(report))
@@ -164,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"{report['decisions']} {'prefix-aware ' if args.prefix else ''}decisions, "
             f"{report['prefill_nodes']}P{report['decode_nodes']}D ({report['mode']}"
-            f"{'' if report['pruned'] else ', every node priced'}): "
+            f"{'' if report['pruned'] else ', every node priced'}{', admission on' if report['admission'] else ''}): "
             f"p50 {report['p50_us']} us, p99 {report['p99_us']} us, "
             f"{report['decisions_per_s']} decisions/s, {report['deflected_pct']} % deflected"
         )
