@@ -143,9 +143,9 @@ class Chaos:
 
     def states(self) -> dict[str, NodeState]:
         """The router's view (call from a thread: it blocks)."""
-        from ray import serve
+        from kairos_ray.bench.faults import deployment_handle
 
-        router = serve.get_deployment_handle("Router", app_name=self.app)
+        router = deployment_handle("Router", self.app)
         states: dict[str, NodeState] = router.snapshot.remote().result(timeout_s=STATES_TIMEOUT_S)
         return states
 

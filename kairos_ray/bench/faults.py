@@ -55,6 +55,18 @@ def _only_replica(app: str, deployment: str) -> Any:
     return ray.get_actor(names[0], namespace="serve")
 
 
+def deployment_handle(deployment: str, app: str) -> Any:
+    """A handle on one of ``app``'s deployments for these tools' blocking calls, its request router on a loop of
+    its own whatever the environment says: a shell that exports the cluster's
+    ``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`` (``serve.app.CLUSTER_ENV``) would fail every call made outside
+    an event loop."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(deployment, app_name=app)
+    handle._init(_run_router_in_separate_loop=True)  # type: ignore[no-untyped-call]  # no public way to set it
+    return handle
+
+
 def replica_pid(actor: Any) -> int:
     """The process id of a replica actor."""
     pid: int = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
@@ -63,9 +75,7 @@ def replica_pid(actor: Any) -> int:
 
 def engine_pid(app: str, node_id: str) -> int:
     """The process that steps a node's engine: its vLLM engine core, or the replica itself (emulated)."""
-    from ray import serve
-
-    pool = serve.get_deployment_handle(deployment_of(app, node_id), app_name=app)
+    pool = deployment_handle(deployment_of(app, node_id), app)
     pids: list[int] = pool.engine_pids.remote(node=node_id).result(timeout_s=60)
     if not pids:
         raise LookupError(f"{node_id} reports no engine process")
@@ -86,22 +96,18 @@ def kill_replica(app: str, node_id: str) -> None:
 
 def router_actor(app: str) -> Any:
     """The ``RouterActor`` that the app's ``Router`` replica owns (decisions and reports go to it)."""
-    from ray import serve
-
-    return serve.get_deployment_handle("Router", app_name=app).handle.remote().result(timeout_s=60)
+    return deployment_handle("Router", app).handle.remote().result(timeout_s=60)
 
 
 def residues(app: str, timeout_s: float = 30.0) -> list[Residue]:
     """What each serving process of ``app`` still holds per request: the ingress, the router, every node the
     router sees (``messages.Residue``; all idle once the app is)."""
-    from ray import serve
-
-    router = serve.get_deployment_handle("Router", app_name=app)
+    router = deployment_handle("Router", app)
     found: list[Residue] = [
-        serve.get_deployment_handle("Ingress", app_name=app).residue.remote().result(timeout_s=timeout_s),
+        deployment_handle("Ingress", app).residue.remote().result(timeout_s=timeout_s),
         router.residue.remote().result(timeout_s=timeout_s),
     ]
     for node in router.snapshot.remote().result(timeout_s=timeout_s):
-        pool = serve.get_deployment_handle(deployment_of(app, node), app_name=app)
+        pool = deployment_handle(deployment_of(app, node), app)
         found.append(pool.residue.remote(node=node).result(timeout_s=timeout_s))
     return found
