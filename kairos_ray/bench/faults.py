@@ -62,8 +62,9 @@ def deployment_handle(deployment: str, app: str) -> Any:
     an event loop."""
     from ray import serve
 
-    handle = serve.get_deployment_handle(deployment, app_name=app)
-    handle._init(_run_router_in_separate_loop=True)  # type: ignore[no-untyped-call]  # no public way to set it
+    handle = serve.get_deployment_handle(deployment, app_name=app)  # cached per process: initialised once
+    if not handle.is_initialized:
+        handle._init(_run_router_in_separate_loop=True)  # type: ignore[no-untyped-call]  # no public way to set it
     return handle
 
 

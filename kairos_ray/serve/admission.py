@@ -1,4 +1,4 @@
-"""Admission slots: how many requests are in flight, counted so that no way a request ends can leak one.
+"""Admission slots: how many requests (prompts) are in flight, counted so that no way a request ends can leak one.
 
 A request takes a ``Slot`` when it is admitted and gives it back exactly once,
 whether it completes, fails, times out or its client goes away, before or
@@ -18,14 +18,25 @@ from starlette.types import Receive, Scope, Send
 
 
 class Slot:
-    """One admitted request's place; ``release`` is idempotent."""
+    """One admitted request's places (one per prompt it runs); ``release`` is idempotent."""
 
     def __init__(self, admission: Admission) -> None:
         self._admission: Admission | None = admission
+        self.count = 1
+
+    def widen(self, more: int) -> bool:
+        """Hold ``more`` places too (a request of several prompts), if there is room; False, holding what it held,
+        if not."""
+        admission = self._admission
+        if admission is None or admission.in_flight + more > admission.limit:
+            return False
+        admission.in_flight += more
+        self.count += more
+        return True
 
     def release(self) -> None:
         if self._admission is not None:
-            self._admission.in_flight -= 1
+            self._admission.in_flight -= self.count
             self._admission = None
 
 

@@ -349,7 +349,9 @@ class PoolConfig(_Strict):
 class ServingConfig(_Strict):
     """Knobs of the live service."""
 
-    max_in_flight: int = Field(256, ge=1, description="requests admitted at once; beyond: 429 with Retry-After")
+    max_in_flight: int = Field(
+        256, ge=1, description="requests (prompts of a list each count) admitted at once; beyond: 429 with Retry-After"
+    )
     retry_after_s: int = Field(1, ge=1)
     max_body_bytes: int = Field(4 << 20, ge=1024, description="larger request bodies get 413 at once")
     context_tokens: int = Field(32_768, ge=2, description="prompt + max_tokens must fit")

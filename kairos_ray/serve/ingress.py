@@ -16,7 +16,9 @@ One request's path:
 4. the router decides its route, and admission may shed it (``core.admission``:
    no route would give its first token within the TTFT objective): 429 at
    once with ``Retry-After`` from the estimated drain, nothing taken;
-5. the request runs over the router and the pools (``serve.dispatch``), with
+5. the request runs over the router and the pools (``serve.dispatch``) (a
+   request of several choices, ``n`` samples or a list of prompts: a run per
+   choice, each in an admission place, concurrently), with
    retries before its first token and migrations after it; what cannot be
    served is a 503/504 error object before the first byte, an SSE ``error``
    event then ``[DONE]`` after it;
@@ -26,6 +28,9 @@ One request's path:
 
 A client that goes away cancels its request: the engines abort it and the
 prefill node releases its KV.
+
+``/tokenize``, ``/detokenize`` and ``/version`` answer as vLLM's server does,
+behind the API key; no engine is called.
 """
 
 from __future__ import annotations
@@ -37,29 +42,40 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from vllm import __version__ as VLLM_VERSION
 
+from kairos_ray import __version__
 from kairos_ray.config import SLOConfig
 from kairos_ray.messages import SHED_HEADER, EngineRequest, Residue, TokenEvent
 from kairos_ray.metrics import TBT_ALLOWED_SHARE
 from kairos_ray.serve.admission import Admission, GuardedStream
 from kairos_ray.serve.args import ServingConfig
 from kairos_ray.serve.auth import ApiKeys
-from kairos_ray.serve.dispatch import Dispatcher, RequestFailed, RequestRun, ServingLimits, Shed, StreamBroken
+from kairos_ray.serve.dispatch import (
+    Dispatcher,
+    RequestFailed,
+    RequestRun,
+    RouteTaken,
+    ServingLimits,
+    Shed,
+    StreamBroken,
+)
 from kairos_ray.serve.live import live_state
 from kairos_ray.serve.metrics import IngressMetrics
 from kairos_ray.serve.protocol import PreparedRequest, RequestError, error_body
-from kairos_ray.serve.responses import Exposure, ResponseWriter, route_headers
+from kairos_ray.serve.responses import Exposure, ResponseWriter, batch_body, route_headers
 from kairos_ray.serve.tokens import Preprocessor
 
 logger = logging.getLogger("ray.serve")
+_T = TypeVar("_T")
 # FastAPI's own /docs and /openapi.json are off: they are served below, to admin keys, when ``serving.api_docs``
 app = FastAPI(
     title="Kairos-Ray",
@@ -108,6 +124,77 @@ def _failed(future: asyncio.Future[Any]) -> bool:
     return future.done() and (future.cancelled() or future.exception() is not None)
 
 
+def _route(run: RequestRun) -> RouteTaken:
+    """The route of a request that has its first token."""
+    assert run.route is not None
+    return run.route
+
+
+async def _started(runs: list[RequestRun], prompts: tuple[PreparedRequest, ...]) -> list[list[TokenEvent]]:
+    """The first tokens of each of a request's runs (a prompt's ``n`` samples in a row): the prompts' first
+    samples at once, each prompt's other samples once its first sample's KV is built, so that a prefix-aware
+    router can send them where that KV is cached (once the node has reported it) rather than build it again."""
+    groups: list[list[int]] = []  # the runs of each prompt, its first sample's first
+    for index, prompt in enumerate(prompts):
+        if prompt.sample == 0:
+            groups.append([])
+        groups[-1].append(index)
+    firsts: list[list[TokenEvent]] = [[] for _ in runs]
+
+    async def samples(group: list[int]) -> None:
+        head, *rest = group
+        firsts[head] = await runs[head].start()
+        for index, tokens in zip(rest, await _all(runs[i].start() for i in rest), strict=True):
+            firsts[index] = tokens
+
+    await _all(samples(group) for group in groups)
+    return firsts
+
+
+async def _all(calls: Iterable[Awaitable[_T]]) -> list[_T]:
+    """The results of concurrent calls, in order; the first failure cancels the rest and is raised."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _interleaved(streams: list[AsyncGenerator[str, None]]) -> AsyncGenerator[str, None]:
+    """The items of several streams as each comes; the first failure ends them all and is raised."""
+    queue: asyncio.Queue[tuple[str | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(stream: AsyncGenerator[str, None]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((item, None))
+        except Exception as exc:
+            queue.put_nowait((None, exc))
+        else:
+            queue.put_nowait((None, None))
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        for _ in streams:
+            while True:
+                item, failure = await queue.get()
+                if failure is not None:
+                    raise failure
+                if item is None:
+                    break
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
+# Serve ships the class below to its replicas pickled by value: the helpers its methods call are defined above it,
+# where cloudpickle finds them all (tests/serve/test_ingress.py checks).
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=2048)
 @serve.ingress(app)
 class Ingress:
@@ -168,6 +255,23 @@ class Ingress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``/tokenize``: a prompt's token ids, or a chat's as its template renders them."""
+        return await self._utility(request, self.preprocess.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``/detokenize``: the text of token ids."""
+        return await self._utility(request, self.preprocess.detokenize)
+
+    @app.get("/version")
+    async def version(self, request: Request) -> Response:
+        """vLLM's ``/version`` (the engines' vLLM), and this app's own."""
+        if not self.keys.allows(request.headers.get("authorization")):
+            return self._unauthorized()
+        return JSONResponse({"version": VLLM_VERSION, "kairos_ray": __version__})
 
     @app.get("/kairos/state")
     async def kairos_state(self, request: Request) -> Response:
@@ -250,14 +354,12 @@ class Ingress:
         slot = self.admission.try_acquire()
         if slot is None:
             self.metrics.rejected.inc(tags={"reason": "overload"})
-            retry_s = self.opts.retry_after_s
-            message = f"server busy: {self.admission.in_flight} requests in flight; retry after {retry_s} s"
-            return _error(429, message, headers={"Retry-After": str(retry_s)})
+            return self._busy()
         streaming = False
         try:
             request_id = next(self._ids)
             try:
-                prepared = await self._validated(request, chat)
+                prompts = await self._validated(request, chat)
             except RequestError as bad:
                 reason = "too-large" if bad.status == 413 else "bad-request"
                 self.metrics.rejected.inc(tags={"reason": reason})
@@ -265,68 +367,121 @@ class Ingress:
             except Exception:  # not the body's fault: the details go to the log, not to the client
                 logger.exception("request %s could not be prepared", request_id)
                 return _error(500, f"the request could not be prepared (request {request_id})")
-            engine_request = EngineRequest(
-                request_id,
-                prepared.prompt_tokens,
-                prepared.max_tokens,
-                time.time(),
-                prompt_token_ids=prepared.prompt_token_ids,
-                # emulated engines ignore it (and so need no vLLM to unpickle it)
-                sampling=prepared.sampling if self.preprocess.vllm else None,
-                priority=prepared.priority,
-                cache_salt=prepared.cache_salt,
-            )
-            run = self.dispatcher.run(engine_request)
+            if len(prompts) > self.admission.limit:  # would never be admitted: not a "try again"
+                self.metrics.rejected.inc(tags={"reason": "bad-request"})
+                limit, param = self.admission.limit, "n" if prompts[-1].sample else "prompt"
+                return _error(400, f"{param}: at most {limit} choices per request here (max_in_flight)", param)
+            if not slot.widen(len(prompts) - 1):  # a place for each prompt
+                self.metrics.rejected.inc(tags={"reason": "overload"})
+                return self._busy()
+            ids = [request_id, *(next(self._ids) for _ in prompts[1:])]
+            runs = [self.dispatcher.run(self._engine_request(i, p)) for i, p in zip(ids, prompts, strict=True)]
             try:
-                first = await run.start()
-            except Shed as shed:  # counted, not logged: under overload there are many
-                self.metrics.shed(shed.reason, engine_request.priority)
-                headers = {"Retry-After": str(shed.retry_after_s), SHED_HEADER: shed.reason}
-                return _error(429, f"{shed.message} (request {request_id})", headers=headers)
-            except RequestFailed as failed:
-                logger.warning("request %s failed: %s (%s)", request_id, failed.message, failed.detail)
-                return _error(failed.status, f"{failed.message} (request {request_id})")
-            except BaseException:
-                run.close()
+                firsts = [await runs[0].start()] if len(runs) == 1 else await _started(runs, prompts)
+            except BaseException as exc:
+                for run in runs:
+                    run.close()
+                if isinstance(exc, Shed):  # counted, not logged: under overload there are many
+                    self.metrics.shed(exc.reason, prompts[0].priority)
+                    headers = {"Retry-After": str(exc.retry_after_s), SHED_HEADER: exc.reason}
+                    return _error(429, f"{exc.message} (request {request_id})", headers=headers)
+                if isinstance(exc, RequestFailed):
+                    logger.warning("request %s failed: %s (%s)", request_id, exc.message, exc.detail)
+                    return _error(exc.status, f"{exc.message} (request {request_id})")
                 raise
-            assert run.route is not None
             exposure = self._exposure(authorization)
-            writer = ResponseWriter(self.model_id, run.route, prepared, exposure)
-            headers = route_headers(run.route, exposure)
-            if prepared.options.stream:
+            writers = [
+                ResponseWriter(self.model_id, _route(run), p, exposure, index, named_after=request_id)
+                for index, (run, p) in enumerate(zip(runs, prompts, strict=True))
+            ]
+            headers = route_headers(writers[0].route, exposure)  # the first prompt's; each choice shows its own
+            if prompts[0].options.stream:
 
                 def done() -> None:
-                    run.close()
+                    for run in runs:
+                        run.close()
                     slot.release()
 
-                events = self._sse(writer, run, first)
+                events = self._sse(writers, runs, firsts)
                 streaming = True
                 return GuardedStream(events, done, media_type="text/event-stream", headers=headers)
             try:
-                tokens = list(first)
-                gaps = _Gaps()
-                async for ready in self._timed(run, gaps):
-                    tokens += ready
-                self._judge(run, gaps)
+                outputs = await _all(self._collected(run, first) for run, first in zip(runs, firsts, strict=True))
             except StreamBroken as broken:
                 logger.warning("request %s broke: %s (%s)", request_id, broken.message, broken.detail)
                 return _error(503, f"request {request_id} failed after its first token: {broken.message}")
             finally:
-                run.close()
-            return JSONResponse(writer.full(tokens), headers=headers)
+                for run in runs:
+                    run.close()
+            bodies = [writer.full(tokens) for writer, tokens in zip(writers, outputs, strict=True)]
+            body = bodies[0] if len(bodies) == 1 else batch_body(bodies, [p.sample == 0 for p in prompts])
+            return JSONResponse(body, headers=headers)
         finally:
             if not streaming:
                 slot.release()
 
-    async def _validated(self, request: Request, chat: bool) -> PreparedRequest:
-        """The request, parsed, rendered and checked as vLLM's server does it; raises ``RequestError``."""
+    def _engine_request(self, request_id: int, prepared: PreparedRequest) -> EngineRequest:
+        return EngineRequest(
+            request_id,
+            prepared.prompt_tokens,
+            prepared.max_tokens,
+            time.time(),
+            prompt_token_ids=prepared.prompt_token_ids,
+            # emulated engines ignore it (and so need no vLLM to unpickle it)
+            sampling=prepared.sampling if self.preprocess.vllm else None,
+            priority=prepared.priority,
+            cache_salt=prepared.cache_salt,
+        )
+
+    async def _collected(self, run: RequestRun, first: list[TokenEvent]) -> list[TokenEvent]:
+        """All of a request's tokens (one prompt's), judged for goodput once they are in."""
+        tokens = list(first)
+        gaps = _Gaps()
+        async for ready in self._timed(run, gaps):
+            tokens += ready
+        self._judge(run, gaps)
+        return tokens
+
+    async def _utility(self, request: Request, answer: Callable[[Any], Awaitable[dict[str, Any]]]) -> Response:
+        """A request that no engine serves (``/tokenize``, ``/detokenize``): behind the API key, in an admission
+        slot (it costs this replica's CPU), its body read and answered within the input deadlines."""
+        if not self.keys.allows(request.headers.get("authorization")):
+            return self._unauthorized()
+        slot = self.admission.try_acquire()
+        if slot is None:
+            self.metrics.rejected.inc(tags={"reason": "overload"})
+            return self._busy()
+        try:
+            return JSONResponse(await self._input(request, lambda data, _: answer(data)))
+        except RequestError as bad:
+            self.metrics.rejected.inc(tags={"reason": "too-large" if bad.status == 413 else "bad-request"})
+            return _error(bad.status, bad.message, bad.param)
+        except Exception:  # not the body's fault: the details go to the log, not to the client
+            request_id = next(self._ids)
+            logger.exception("%s (request %s) failed", request.url.path, request_id)
+            return _error(500, f"the request could not be answered (request {request_id})")
+        finally:
+            slot.release()
+
+    def _busy(self) -> JSONResponse:
+        retry_s = self.opts.retry_after_s
+        message = f"server busy: {self.admission.in_flight} requests in flight; retry after {retry_s} s"
+        return _error(429, message, headers={"Retry-After": str(retry_s)})
+
+    async def _validated(self, request: Request, chat: bool) -> tuple[PreparedRequest, ...]:
+        """The request's prompts, parsed, rendered and checked as vLLM's server does it; raises ``RequestError``."""
+        return await self._input(request, lambda data, off_loop: self.preprocess.prepare(data, chat, off_loop))
+
+    async def _input(self, request: Request, handle: Callable[[Any, bool], Awaitable[_T]]) -> _T:
+        """``handle(body as JSON, off_loop)`` within ``input_timeout_s``; raises ``RequestError``. Large bodies
+        are parsed off the event loop (``off_loop`` tells ``handle``)."""
         body = await self._body(request)
         off_loop = len(body) >= OFF_LOOP_BYTES
         timeout_s = self.opts.input_timeout_s
         try:
             async with asyncio.timeout(timeout_s):
                 data = await asyncio.to_thread(_parse, body) if off_loop else _parse(body)
-                return await self.preprocess.prepare(data, chat, off_loop)
+                return await handle(data, off_loop)
         except TimeoutError:
             raise RequestError(
                 400, f"the request took over {timeout_s:g} s to parse and check (input_timeout_s)"
@@ -373,20 +528,39 @@ class Ingress:
         if run.route.ttft_s <= self.slo.ttft_s and gaps.over <= TBT_ALLOWED_SHARE * gaps.count:
             self.metrics.attained.inc(tags={"route": run.route.route.value})
 
-    async def _sse(self, writer: ResponseWriter, run: RequestRun, first: list[TokenEvent]) -> AsyncGenerator[str, None]:
-        """One event per token (or group); the tokens that come together go out in one write."""
-        count = len(first)
+    async def _sse(
+        self, writers: list[ResponseWriter], runs: list[RequestRun], firsts: list[list[TokenEvent]]
+    ) -> AsyncGenerator[str, None]:
+        """One event per token (or group) of each prompt's choice, as they come; the tokens that come together go
+        out in one write."""
+        counts = [len(first) for first in firsts]
+        streams = [
+            self._choice_events(writer, run, first, counts)
+            for writer, run, first in zip(writers, runs, firsts, strict=True)
+        ]
+        events = streams[0] if len(streams) == 1 else _interleaved(streams)
+        writer = writers[0]
+        try:
+            async for event in events:
+                yield event
+        except StreamBroken as broken:
+            request_id = runs[0].request.request_id
+            logger.warning("request %s broke: %s (%s)", request_id, broken.message, broken.detail)
+            yield writer.error(f"request {request_id} failed after {sum(counts)} tokens: {broken.message}")
+        else:
+            if writer.options.include_usage:
+                yield writer.usage(sum(counts), sum(w.prompt_tokens for w in writers if w.request.sample == 0))
+        finally:
+            await events.aclose()
+        yield writer.done()
+
+    async def _choice_events(
+        self, writer: ResponseWriter, run: RequestRun, first: list[TokenEvent], counts: list[int]
+    ) -> AsyncGenerator[str, None]:
+        """One prompt's events, its tokens counted in ``counts[writer.index]``; raises ``StreamBroken``."""
         yield writer.tokens(first)
         gaps = _Gaps()
-        try:
-            async for ready in self._timed(run, gaps):
-                count += len(ready)
-                yield writer.tokens(ready)
-        except StreamBroken as broken:
-            logger.warning("request %s broke: %s (%s)", run.request.request_id, broken.message, broken.detail)
-            yield writer.error(f"request {run.request.request_id} failed after {count} tokens: {broken.message}")
-        else:
-            self._judge(run, gaps)
-            if writer.options.include_usage:
-                yield writer.usage(count)
-        yield writer.done()
+        async for ready in self._timed(run, gaps):
+            counts[writer.index] += len(ready)
+            yield writer.tokens(ready)
+        self._judge(run, gaps)

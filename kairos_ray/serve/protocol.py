@@ -9,10 +9,10 @@ naming the field (``REFUSALS``), never silently ignored:
 
 | field | why it is refused |
 |---|---|
-| ``n`` > 1, ``use_beam_search``, ``length_penalty`` | one sampled choice per request; no beam search |
+| ``use_beam_search``, ``length_penalty`` | no beam search |
 | ``prompt_logprobs``; ``echo`` with logprobs; chat ``echo`` | no prompt logprobs: a disaggregated request's |
 | | decode node computes only the prompt's last token |
-| a batch of prompts, ``prompt_embeds`` | one token prompt per request |
+| ``prompt_embeds``; over 64 prompts or choices | token prompts only; ``MAX_CHOICES`` (``n`` x prompts) |
 | ``kv_transfer_params``, ``ec_transfer_params``, | the app's own hand-off and extra arguments (chunk |
 | ``vllm_xargs`` | schedules) travel there |
 | non-text content parts | the served models read text |
@@ -58,9 +58,14 @@ class Refusal:
     applies: Callable[[OpenAIRequest], bool]
 
 
+MAX_CHOICES = 64
+"""The most choices one request may ask for: ``n`` times the prompts it lists (each is routed and run on its own,
+in an admission place of its own)."""
+
+
 def _prompt_batch(request: OpenAIRequest) -> bool:
     prompt = request.prompt if isinstance(request, CompletionRequest) else None
-    return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+    return isinstance(prompt, list) and len(prompt) > MAX_CHOICES and not isinstance(prompt[0], int)
 
 
 def _completion(check: Callable[[CompletionRequest], bool]) -> Callable[[OpenAIRequest], bool]:
@@ -71,7 +76,6 @@ def _completion(check: Callable[[CompletionRequest], bool]) -> Callable[[OpenAIR
 _PROMPT_LOGPROBS = "prompt logprobs are not served: a disaggregated request's decode node computes only its last token"
 
 REFUSALS: tuple[Refusal, ...] = (
-    Refusal("n", "one choice per request: n > 1 is not served", lambda r: (r.n or 1) != 1),
     Refusal("use_beam_search", "beam search is not served", lambda r: r.use_beam_search),
     Refusal("length_penalty", "it applies to beam search, which is not served", lambda r: r.length_penalty != 1.0),
     Refusal("prompt_logprobs", _PROMPT_LOGPROBS, lambda r: r.prompt_logprobs is not None),
@@ -90,7 +94,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "echo with max_tokens 0 (the prompt alone) is not served",
         _completion(lambda r: bool(r.echo) and r.max_tokens == 0),
     ),
-    Refusal("prompt", "one prompt per request (batches of prompts are not served)", _prompt_batch),
+    Refusal("prompt", f"at most {MAX_CHOICES} prompts per request", _prompt_batch),
     Refusal("prompt_embeds", "prompt embeddings are not served", _completion(lambda r: r.prompt_embeds is not None)),
     Refusal(
         "kv_transfer_params",
@@ -212,6 +216,7 @@ class PreparedRequest:
     options: ResponseOptions
     priority: int = 0
     cache_salt: str | None = None
+    sample: int = 0  # which of the prompt's ``n`` samples (its usage counts the prompt at sample 0 only)
 
 
 def error_body(

@@ -99,14 +99,25 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 class ResponseWriter:
     """Bodies of one request's response, non-streamed or as server-sent events."""
 
-    def __init__(self, model_id: str, route: RouteTaken, request: PreparedRequest, exposure: Exposure) -> None:
+    def __init__(
+        self,
+        model_id: str,
+        route: RouteTaken,
+        request: PreparedRequest,
+        exposure: Exposure,
+        index: int = 0,
+        named_after: int | None = None,
+    ) -> None:
+        """``index``: the choice's, in a request of several prompts; ``named_after``: the request id the response is
+        named after (the first prompt's; this one's by default)."""
         self.model_id, self.route, self.request = model_id, route, request
         self.route_field = route_field(route, exposure)  # the body's (or first event's) ``kairos`` field, if any
         self.options = options = request.options
         self.chat = options.chat
+        self.index = index
         self.prompt_tokens = request.prompt_tokens
         prefix = "chatcmpl" if options.chat else "cmpl"
-        self.id = f"{prefix}-{options.response_id or route.request_id}"
+        self.id = f"{prefix}-{options.response_id or (route.request_id if named_after is None else named_after)}"
         self.created = int(time.time())
         self._text_offset = 0  # streamed completions' logprobs: where the next token's text starts
 
@@ -173,7 +184,7 @@ class ResponseWriter:
         """The whole response body of a request that was not streamed."""
         text = "".join(t.text for t in tokens)
         last = tokens[-1]
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         extra: dict[str, Any] = {}
         if self.chat:
             choice["message"] = {"role": self.options.role, "content": text}
@@ -225,7 +236,7 @@ class ResponseWriter:
         """One streamed event for ``tokens``; the first event carries the ``kairos`` field."""
         first, last = tokens[0].index == 0, tokens[-1]
         text = "".join(t.text for t in tokens)
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         extra: dict[str, Any] = dict(self.route_field) if first else {}
         if self.chat:
             choice["delta"] = {"role": self.options.role, "content": text} if first else {"content": text}
@@ -237,7 +248,7 @@ class ResponseWriter:
         else:
             choice["text"] = self._echo() + text if first else text
             choice["logprobs"], self._text_offset = self._completion_logprobs(tokens, self._text_offset)
-            if first and self.options.return_token_ids:
+            if first and (self.options.return_token_ids or self.options.echo):  # as vLLM's server streams them
                 choice["prompt_token_ids"] = list(self.request.prompt_token_ids)
         choice["finish_reason"] = (last.finish_reason or "length") if last.finished else None
         choice["stop_reason"] = last.stop_reason if last.finished else None
@@ -247,9 +258,11 @@ class ResponseWriter:
             extra["usage"] = usage(self.prompt_tokens, last.index + 1)
         return self._event(self._chunk([choice], **extra))
 
-    def usage(self, completion_tokens: int) -> str:
-        """The closing usage event (``stream_options.include_usage``)."""
-        return self._event(self._chunk([], usage=usage(self.prompt_tokens, completion_tokens)))
+    def usage(self, completion_tokens: int, prompt_tokens: int | None = None) -> str:
+        """The closing usage event (``stream_options.include_usage``); ``prompt_tokens``: all prompts' (this
+        one's by default)."""
+        prompts = self.prompt_tokens if prompt_tokens is None else prompt_tokens
+        return self._event(self._chunk([], usage=usage(prompts, completion_tokens)))
 
     def error(self, message: str) -> str:
         """An OpenAI error object as a stream event: the stream cannot go on (``[DONE]`` follows)."""
@@ -258,6 +271,20 @@ class ResponseWriter:
     @staticmethod
     def done() -> str:
         return "data: [DONE]\n\n"
+
+
+def batch_body(bodies: Sequence[dict[str, Any]], counted: Sequence[bool]) -> dict[str, Any]:
+    """The body of a request of several choices (prompts, samples) from each choice's own
+    (``ResponseWriter.full``): the choices in order, usage summed as vLLM's server sums it (each prompt's tokens
+    where ``counted``: once, not once per sample); each choice carries its own route (``kairos``), if shown."""
+    choices = []
+    for body in bodies:
+        (choice,) = body["choices"]
+        choices.append({**choice, **({"kairos": body["kairos"]} if "kairos" in body else {})})
+    prompt_tokens = sum(body["usage"]["prompt_tokens"] for body, count in zip(bodies, counted, strict=True) if count)
+    completion_tokens = sum(body["usage"]["completion_tokens"] for body in bodies)
+    first = {key: value for key, value in bodies[0].items() if key != "kairos"}
+    return {**first, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def _bytes(token: str) -> list[int]:

@@ -11,6 +11,8 @@ builds the ``SamplingParams``, and vLLM's ``InputProcessor`` checks them
 against the model (vocabulary, logprob limits, structured-output grammars).
 A request vLLM's server refuses is a 400 here too, never a failure on an
 engine. The engines take the token ids and the ``SamplingParams`` as they are.
+``/tokenize`` and ``/detokenize`` are vLLM's own ``ServingTokenization`` on
+the same renderer: the ids it gives are those the engines get.
 
 Emulated engines have no model: a text prompt counts one token per
 whitespace-separated word (a prompt may also be token ids), a chat request
@@ -23,20 +25,28 @@ truncation, special tokens) change nothing.
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import warnings
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.serve import create_error_response
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+from vllm.entrypoints.serve.tokenize.protocol import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 from vllm.exceptions import VLLMValidationError
 
 from kairos_ray.serve.protocol import (
+    MAX_CHOICES,
     OpenAIRequest,
     PreparedRequest,
     RequestError,
@@ -44,6 +54,7 @@ from kairos_ray.serve.protocol import (
     refusal,
 )
 
+_Request = TypeVar("_Request", bound=BaseModel)
 TEMPLATE_TOKENS_PER_MESSAGE = 4  # emulated engines: what a chat template adds per message
 # Structured-output grammars are compiled to be checked on threads of their own: a hostile one that compiles for
 # long holds one of these (the ingress answers it at its deadline), never the event loop or the default executor.
@@ -60,9 +71,15 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 
 def parse(data: Any, chat: bool) -> OpenAIRequest:
     """The body as vLLM's server parses it; raises ``RequestError``."""
+    if chat:
+        return _validated(ChatCompletionRequest, data)
+    return _validated(CompletionRequest, data)
+
+
+def _validated(kind: type[_Request], data: Any) -> _Request:
+    """``data`` as one of vLLM's request models, as its server's body parsing makes it; raises ``RequestError``."""
     if not isinstance(data, dict):
         raise RequestError(400, "request body must be a JSON object")
-    kind = ChatCompletionRequest if chat else CompletionRequest
     try:
         return kind.model_validate(data)
     except ValidationError as exc:
@@ -81,13 +98,49 @@ def _client_error(exc: Exception, param: str | None = None) -> RequestError:
     return RequestError(error.code, error.message, error.param or param)
 
 
+def _sample(sampling: Any, index: int) -> Any:
+    """The ``SamplingParams`` of one of a request's ``n`` samples, as vLLM's engine makes them for each: one
+    sequence, and a seed of its own (the request's + ``index``) where the request has one."""
+    if sampling.n == 1:
+        return sampling
+    child = copy.copy(sampling)
+    child.n = 1
+    if sampling.seed is not None:
+        child.seed = sampling.seed + index
+    return child
+
+
+async def _answer(call: Awaitable[Any]) -> dict[str, Any]:
+    """The body of a response vLLM's serving code returns (a ``RequestError`` for its client errors)."""
+    try:
+        answer = await call
+    except Exception as exc:
+        raise _client_error(exc) from None
+    if isinstance(answer, ErrorResponse):
+        if answer.error.code >= 500:
+            raise RuntimeError(answer.error.message)
+        raise RequestError(answer.error.code, answer.error.message, answer.error.param)
+    body: dict[str, Any] = answer.model_dump()
+    return body
+
+
 def _words(text: str) -> int:
     return len(text.split())
 
 
-def _emulated_prompt(request: OpenAIRequest) -> tuple[int, str, tuple[int, ...]]:
-    """(prompt tokens, prompt text, token ids) as emulated engines count them; ids only for a token-id prompt
-    (its prefix identity: ``serve.dispatch``)."""
+Prompt = tuple[int, str, tuple[int, ...]]
+"""A prompt as the router and responses see it: (its tokens, its text, its token ids)."""
+
+
+def _prompt_of(engine_input: Any) -> Prompt:
+    """A vLLM engine input's prompt."""
+    ids = tuple(engine_input["prompt_token_ids"])
+    return len(ids), str(engine_input.get("prompt") or ""), ids
+
+
+def _emulated_prompts(request: OpenAIRequest) -> list[Prompt]:
+    """Each prompt of ``request`` as emulated engines count it; ids only for a token-id prompt (its prefix
+    identity: ``serve.dispatch``)."""
     if isinstance(request, ChatCompletionRequest):
         count = 0
         for message in request.messages:
@@ -97,14 +150,15 @@ def _emulated_prompt(request: OpenAIRequest) -> tuple[int, str, tuple[int, ...]]
             elif isinstance(content, list):
                 count += sum(_words(str(part.get("text", ""))) for part in content if isinstance(part, dict))
             count += TEMPLATE_TOKENS_PER_MESSAGE
-        return count, "", ()
+        return [(count, "", ())]
     prompt = request.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-        prompt = prompt[0]  # a batch of one prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        return len(prompt), "", tuple(prompt)
-    text = prompt if isinstance(prompt, str) else str(prompt[0]) if prompt else ""
-    return _words(text), text, ()
+    if isinstance(prompt, str):
+        return [(_words(prompt), prompt, ())]
+    if not prompt:
+        return [(0, "", ())]
+    if isinstance(prompt[0], int):
+        return [(len(prompt), "", tuple(prompt))]
+    return [(len(p), "", tuple(p)) if isinstance(p, list) else (_words(str(p)), str(p), ()) for p in prompt]
 
 
 def _requested_max_tokens(request: OpenAIRequest) -> int | None:
@@ -139,6 +193,7 @@ class Preprocessor:
         self.override_max_tokens: int | None = None
         self.renderer: Any = None  # vllm.renderers.online_renderer.OnlineRenderer
         self.processor: Any = None  # vllm.v1.engine.input_processor.InputProcessor
+        self.tokenization: Any = None  # vllm.entrypoints.serve.tokenize.serving.ServingTokenization
         if model_source is not None:
             self._load(model_source, engine_kwargs or {})
 
@@ -146,6 +201,9 @@ class Preprocessor:
         """vLLM's render server's set-up: a model config and a renderer, no engine."""
         from vllm import AsyncEngineArgs
         from vllm.config import VllmConfig
+        from vllm.entrypoints.openai.models.protocol import BaseModelPath
+        from vllm.entrypoints.openai.models.serving import OpenAIModelRegistry
+        from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
         from vllm.renderers import renderer_from_config
         from vllm.renderers.online_renderer import OnlineRenderer
         from vllm.v1.engine.input_processor import InputProcessor
@@ -160,6 +218,10 @@ class Preprocessor:
             model_config, renderer, request_logger=None, chat_template=None, chat_template_content_format="auto"
         )
         self.processor = InputProcessor(config, renderer)
+        registry = OpenAIModelRegistry(model_config, [BaseModelPath(self.model_id, model_source)])
+        self.tokenization = ServingTokenization(
+            registry, self.renderer, chat_template=None, chat_template_content_format="auto"
+        )
         self.defaults = model_config.get_diff_sampling_param()
         if model_config.generation_config not in ("auto", "vllm"):
             self.override_max_tokens = self.defaults.get("max_tokens")
@@ -172,8 +234,10 @@ class Preprocessor:
         """Requests go to vLLM engines (else emulated ones)."""
         return self.renderer is not None
 
-    async def prepare(self, data: Any, chat: bool, off_loop: bool = False) -> PreparedRequest:
-        """The request in ``data`` (a parsed JSON body); raises ``RequestError``.
+    async def prepare(self, data: Any, chat: bool, off_loop: bool = False) -> tuple[PreparedRequest, ...]:
+        """The request in ``data`` (a parsed JSON body), one ``PreparedRequest`` per choice: per prompt (a
+        completion's ``prompt`` may be a list of them), ``n`` samples each, in the order of their choices' indices;
+        each is routed on its own. Raises ``RequestError``.
 
         ``off_loop``: parse (and count an emulated prompt) in a thread, for large bodies.
         """
@@ -184,18 +248,47 @@ class Preprocessor:
         refused = refusal(request)
         if refused is not None:
             raise refused
-        param = "messages" if chat else "prompt"
-        prompt_ids: tuple[int, ...] = ()
-        engine_input: Any = None
         if self.renderer is None:
-            count = _emulated_prompt
-            prompt_tokens, prompt_text, prompt_ids = (
-                await asyncio.to_thread(count, request) if off_loop else count(request)
-            )
+            count = _emulated_prompts
+            prompts = await asyncio.to_thread(count, request) if off_loop else count(request)
+            inputs: list[Any] = [None] * len(prompts)
         else:
-            engine_input = await self._render(request)
-            prompt_ids = tuple(engine_input["prompt_token_ids"])
-            prompt_tokens, prompt_text = len(prompt_ids), str(engine_input.get("prompt") or "")
+            inputs = await self._render(request)
+            prompts = [_prompt_of(engine_input) for engine_input in inputs]
+        # the client's request_id names the response, as in vLLM's server (Serve sets X-Request-Id on every request)
+        response_id = request.request_id if "request_id" in request.model_fields_set else None
+        options = ResponseOptions.of(request, response_id)
+        samples = 1 if request.n is None else request.n
+        if samples < 1:
+            raise RequestError(400, f"n: must be at least 1, got {samples}", "n")
+        if len(prompts) * samples > MAX_CHOICES:
+            param = "n" if samples > 1 else "prompt"
+            raise RequestError(400, f"{param}: at most {MAX_CHOICES} choices per request (n x prompts)", param)
+        prepared = []
+        for (prompt_tokens, prompt_text, prompt_ids), engine_input in zip(prompts, inputs, strict=True):
+            max_tokens, sampling = await self._sampling(request, prompt_tokens, engine_input, off_loop)
+            for sample in range(samples):
+                prepared.append(
+                    PreparedRequest(
+                        prompt_token_ids=prompt_ids,
+                        prompt_tokens=prompt_tokens,
+                        prompt_text=prompt_text,
+                        max_tokens=max_tokens,
+                        sampling=_sample(sampling, sample),
+                        options=options,
+                        priority=request.priority,
+                        cache_salt=request.cache_salt,
+                        sample=sample,
+                    )
+                )
+        return tuple(prepared)
+
+    async def _sampling(
+        self, request: OpenAIRequest, prompt_tokens: int, engine_input: Any, off_loop: bool
+    ) -> tuple[int, Any]:
+        """(max_tokens, ``SamplingParams``) of one prompt of ``request``, as vLLM's server resolves them, checked
+        as its engine front end checks them; raises ``RequestError``."""
+        param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
         if prompt_tokens < 1:
             raise RequestError(400, f"{param} is empty: it has no tokens", param)
         requested = _requested_max_tokens(request)
@@ -227,23 +320,27 @@ class Preprocessor:
                     check()
         except Exception as exc:
             raise _client_error(exc, param) from None
-        # the client's request_id names the response, as in vLLM's server (Serve sets X-Request-Id on every request)
-        response_id = request.request_id if "request_id" in request.model_fields_set else None
-        return PreparedRequest(
-            prompt_token_ids=prompt_ids,
-            prompt_tokens=prompt_tokens,
-            prompt_text=prompt_text,
-            max_tokens=max_tokens,
-            sampling=sampling,
-            options=ResponseOptions.of(request, response_id),
-            priority=request.priority,
-            cache_salt=request.cache_salt,
-        )
+        return max_tokens, sampling
 
-    async def _render(self, request: OpenAIRequest) -> Any:
-        """vLLM's engine input for ``request``: its prompt token ids (and text)."""
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    async def tokenize(self, data: Any) -> dict[str, Any]:
+        """``POST /tokenize``: the prompt's token ids (a chat's as its template renders them), as vLLM's server
+        answers, by its own tokenization code; raises ``RequestError``."""
+        kind = TokenizeChatRequest if isinstance(data, dict) and "messages" in data else TokenizeCompletionRequest
+        tokenization = self._tokenization()
+        return await _answer(tokenization.create_tokenize(_validated(kind, data), None))
 
+    async def detokenize(self, data: Any) -> dict[str, Any]:
+        """``POST /detokenize``: the text of token ids, as vLLM's server answers; raises ``RequestError``."""
+        tokenization = self._tokenization()
+        return await _answer(tokenization.create_detokenize(_validated(DetokenizeRequest, data), None))
+
+    def _tokenization(self) -> Any:
+        if self.tokenization is None:
+            raise RequestError(501, "emulated engines have no tokenizer: /tokenize and /detokenize need vLLM engines")
+        return self.tokenization
+
+    async def _render(self, request: OpenAIRequest) -> list[Any]:
+        """vLLM's engine inputs for ``request``, one per prompt: its token ids (and text)."""
         try:
             if isinstance(request, ChatCompletionRequest):
                 rendered = await self.renderer.render_chat(request)
@@ -255,4 +352,4 @@ class Preprocessor:
             raise _client_error(exc) from None
         if isinstance(rendered, ErrorResponse):
             raise RequestError(rendered.error.code, rendered.error.message, rendered.error.param)
-        return rendered[0]
+        return list(rendered)

@@ -20,7 +20,7 @@ from kairos_ray.engines.emulated import BLOCK_TOKENS, VOCAB, token_id
 from kairos_ray.messages import LiveState, Role
 from kairos_ray.serve import build_app
 
-from .conftest import MODEL, app_args, dashboard_series, wait_for_prefix, wait_for_series
+from .conftest import MODEL, app_args, dashboard_series, wait_for_no_residue, wait_for_prefix, wait_for_series
 
 pytestmark = pytest.mark.ray
 
@@ -145,7 +145,7 @@ def test_tokens_are_deterministic(live_app):
         ({"model": MODEL, "prompt": "x", "logprobs": 2, "echo": True}, "echo"),
         ({"model": MODEL, "prompt": "x", "kv_transfer_params": {}}, "kv_transfer_params"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
-        ({"model": MODEL, "prompt": "x", "n": 2}, "n"),
+        ({"model": MODEL, "prompt": "x", "n": 65}, "n"),
         ({"model": MODEL}, "prompt"),
         ({"model": MODEL, "prompt": list(range(32_760)), "max_tokens": 100}, "prompt"),
     ],
@@ -203,6 +203,52 @@ def test_a_request_no_route_serves_in_time_is_shed_at_once_with_429_and_retry_af
     # a prompt whose prefill fits the objective is served
     assert completion(url, prompt=list(range(SHED_PROMPT // 2)), max_tokens=4).status_code == 200
     assert httpx.get(f"{url}/health").json()["in_flight"] == 0
+
+
+def test_a_list_of_prompts_is_one_choice_per_prompt_each_routed_on_its_own(live_app):
+    url, _ = live_app
+    prompts = [list(range(40)), list(range(3_000, 9_000)), [7, 8, 9]]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 5, "return_token_ids": True}
+    whole = completion(url, **body)
+    assert whole.status_code == 200, whole.text
+    choices = whole.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2] and all(len(c["token_ids"]) == 5 for c in choices)
+    assert all(c["kairos"]["decode_node"].startswith("decode-") for c in choices)  # each choice its own route
+    assert whole.json()["usage"] == {"prompt_tokens": 40 + 6_000 + 3, "completion_tokens": 15, "total_tokens": 6_058}
+    assert whole.headers["x-kairos-decode-node"] == choices[0]["kairos"]["decode_node"]  # the first prompt's
+    events = []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True, "stream_options": {
+            "include_usage": True}}, timeout=120) as r:  # fmt: skip
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert {e["id"] for e in events} == {events[0]["id"]}
+    for index in range(3):  # each choice's tokens in order, closed by its finish reason
+        own = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == index]
+        assert sum(len(c["token_ids"]) for c in own) == 5 and own[-1]["finish_reason"] == "length"
+        assert all(c["finish_reason"] is None for c in own[:-1])
+    assert events[-1]["usage"] == whole.json()["usage"] and events[-1]["choices"] == []
+    assert httpx.get(f"{url}/health").json()["in_flight"] == 0
+
+
+def test_n_samples_are_n_choices_and_the_prompt_is_counted_once(live_app):
+    url, _ = live_app
+    r = completion(url, prompt=list(range(60_000, 61_000)), max_tokens=4, n=3, seed=5)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2] and len({c["text"] for c in body["choices"]}) == 3
+    assert body["usage"] == {"prompt_tokens": 1_000, "completion_tokens": 12, "total_tokens": 1_012}
+    assert httpx.get(f"{url}/health").json()["in_flight"] == 0
+
+
+def test_a_list_with_a_prompt_no_route_serves_in_time_is_shed_whole_and_lists_are_capped(live_app):
+    url, _ = live_app
+    fresh = list(range(400_000, 400_000 + SHED_PROMPT))  # no node holds any of it
+    shed = completion(url, prompt=[list(range(10)), fresh], max_tokens=4)
+    assert shed.status_code == 429 and shed.headers["x-kairos-shed"] == "no-route-in-time", shed.text
+    capped = completion(url, prompt=["a b"] * 65, max_tokens=1)
+    assert capped.status_code == 400 and capped.json()["error"]["param"] == "prompt"
+    assert httpx.get(f"{url}/health").json()["in_flight"] == 0
+    wait_for_no_residue()  # the prompt that was admitted took nothing it kept
 
 
 def test_a_less_important_request_is_shed_first_and_an_important_one_served(live_app):

@@ -17,6 +17,7 @@ import time
 import httpx
 import pytest
 import ray
+import vllm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ray import serve
@@ -298,6 +299,7 @@ def test_a_stalled_decode_stream_migrates_after_the_stall_deadline(app):
         ({"model": MODEL, "prompt": ""}, "prompt"),
         ({"model": MODEL, "prompt": [""]}, "prompt"),
         ({"model": MODEL, "prompt": []}, "prompt"),
+        ({"model": MODEL, "prompt": ["a b"] * 49}, "prompt"),  # more prompts than max_in_flight: never admitted
         ({"model": MODEL, "prompt": "x", "seed": 99999999999999999999999}, "seed"),
         (
             {
@@ -359,6 +361,26 @@ def test_the_api_key_is_required_where_one_is_set(app):
     )
     r = httpx.get(f"{secured}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL
+
+
+def test_tokenize_detokenize_and_version_are_behind_the_api_key(app):
+    url, _ = app
+    secured = f"{url}/secured"
+    calls = [
+        ("GET", "/version", None),
+        ("POST", "/tokenize", {"prompt": "a b"}),
+        ("POST", "/detokenize", {"tokens": [1]}),
+    ]
+    for method, path, body in calls:
+        assert httpx.request(method, f"{secured}{path}", json=body, timeout=30).status_code == 401, path
+    tenant = {"Authorization": f"Bearer {KEY}"}
+    version = httpx.get(f"{secured}/version", headers=tenant, timeout=30)
+    assert version.status_code == 200 and version.json()["version"] == vllm.__version__
+    for method, path, body in calls[1:]:  # emulated engines have no tokenizer: a 501 saying so, not a 404 or a 500
+        r = httpx.request(method, f"{secured}{path}", json=body, headers=tenant, timeout=30)
+        assert r.status_code == 501 and "emulated" in r.json()["error"]["message"], r.text
+        r = httpx.request(method, f"{secured}{path}", content=b"{", headers=tenant, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == 400, r.text
 
 
 @pytest.mark.parametrize("header, value", [("x-request-disconnect-disabled", "?1"), ("x-request-timeout-seconds", "0")])

@@ -9,11 +9,14 @@ import asyncio
 import dataclasses
 import functools
 import json
+import subprocess
+import sys
 import types
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from ray import cloudpickle
 from vllm.entrypoints.generate.base.serving import GenerateBaseServing
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
@@ -22,10 +25,11 @@ from vllm.logprobs import Logprob
 from kairos_ray.core import Route
 from kairos_ray.messages import TokenEvent, TokenLogprob, TTFTBreakdown
 from kairos_ray.serve import ingress
+from kairos_ray.serve.admission import Admission
 from kairos_ray.serve.auth import ApiKeys
 from kairos_ray.serve.dispatch import RouteTaken
 from kairos_ray.serve.protocol import LIST_CAPS, PreparedRequest, RequestError
-from kairos_ray.serve.responses import Exposure, ResponseWriter, route_headers
+from kairos_ray.serve.responses import Exposure, ResponseWriter, batch_body, route_headers
 from kairos_ray.serve.tokens import Preprocessor
 
 from .bodies import BODIES
@@ -67,7 +71,7 @@ def tokens(count: int) -> list[TokenEvent]:
 def prepared(body: dict, chat: bool = False, prompt_tokens: int | None = None) -> PreparedRequest:
     """A request as the ingress prepares it for emulated engines (no model)."""
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]} if chat else {"model": "m", "prompt": "x"}
-    request = asyncio.run(Preprocessor("m", 32_768).prepare({**base, **body}, chat))
+    (request,) = asyncio.run(Preprocessor("m", 32_768).prepare({**base, **body}, chat))
     return request if prompt_tokens is None else dataclasses.replace(request, prompt_tokens=prompt_tokens)
 
 
@@ -202,6 +206,9 @@ def test_logprobs_are_written_as_vllms_server_writes_them_streamed_or_not(chat, 
 def test_echo_token_ids_and_the_clients_request_id_shape_the_body():
     body = ResponseWriter("m", DEFLECTED, prepared({"prompt": "one two", "echo": True}), Exposure.FULL).full(tokens(2))
     assert body["choices"][0]["text"] == "one two t0 t1"
+    echoed = ResponseWriter("m", DEFLECTED, prepared({"prompt": [5, 6], "echo": True}), Exposure.FULL)
+    first, *_ = split(echoed.tokens(tokens(2)))  # streamed, the prompt's ids come first, as vLLM's server sends them
+    assert first["choices"][0]["prompt_token_ids"] == [5, 6]
     ids = ResponseWriter("m", DEFLECTED, prepared({"return_token_ids": True, "request_id": "abc"}), Exposure.FULL).full(
         tokens(2)
     )
@@ -283,8 +290,194 @@ def test_generated_bodies_are_prepared_or_refused_with_a_4xx_never_an_exception(
     ``test_faults.py``)."""
     content = raw if raw is not None else json.dumps(body).encode()
     try:
-        request = asyncio.run(EMULATED.prepare(ingress._parse(content), chat))
+        prompts = asyncio.run(EMULATED.prepare(ingress._parse(content), chat))
     except RequestError as refused:
         assert 400 <= refused.status < 500 and refused.message, refused
     else:
-        assert request.prompt_tokens >= 1 and request.max_tokens >= 1
+        assert prompts and all(p.prompt_tokens >= 1 and p.max_tokens >= 1 for p in prompts)
+
+
+def test_a_request_of_several_prompts_holds_a_place_for_each_and_gives_them_all_back():
+    admission = Admission(4)
+    slot, other = admission.try_acquire(), admission.try_acquire()
+    assert slot is not None and other is not None
+    assert not slot.widen(3) and admission.in_flight == 2  # no room: it holds what it held
+    assert slot.widen(2) and admission.in_flight == 4 and admission.try_acquire() is None
+    slot.release()
+    slot.release()
+    assert admission.in_flight == 1
+
+
+def test_a_batch_body_lists_each_prompts_choice_with_its_route_and_sums_usage():
+    prompts = [prepared({"prompt": "a b c", "max_tokens": 2}), prepared({"prompt": "d", "max_tokens": 1})]
+    writers = [
+        ResponseWriter(MODEL, route, p, Exposure.FULL, index, named_after=42)
+        for index, (route, p) in enumerate(zip((DEFLECTED, HANDED_OFF), prompts, strict=True))
+    ]
+    bodies = [writers[0].full(tokens(2)), writers[1].full(tokens(1))]
+    body = batch_body(bodies, [True, True])
+    assert [c["index"] for c in body["choices"]] == [0, 1] and body["id"] == bodies[0]["id"] == bodies[1]["id"]
+    assert [c["kairos"]["route"] for c in body["choices"]] == ["deflect", "prefill"] and "kairos" not in body
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    streamed = writers[1].tokens(tokens(1))
+    assert json.loads(streamed.removeprefix("data: "))["choices"][0]["index"] == 1
+
+
+async def _stream(items: list[str], closed: list[str], fail: bool = False, pause_s: float = 0.0):
+    try:
+        for item in items:
+            await asyncio.sleep(pause_s)
+            yield item
+        if fail:
+            raise RuntimeError("broken")
+    finally:
+        closed.append(items[0])
+
+
+def test_interleaved_streams_give_every_item_in_each_streams_order():
+    async def main():
+        closed: list[str] = []
+        streams = [_stream(["a1", "a2", "a3"], closed), _stream(["b1", "b2"], closed, pause_s=0.001)]
+        items = [item async for item in ingress._interleaved(streams)]
+        return items, closed
+
+    items, closed = asyncio.run(main())
+    assert sorted(items) == ["a1", "a2", "a3", "b1", "b2"]
+    assert [i for i in items if i[0] == "a"] == ["a1", "a2", "a3"] and [i for i in items if i[0] == "b"] == ["b1", "b2"]
+    assert sorted(closed) == ["a1", "b1"]
+
+
+def test_one_failing_stream_ends_the_others_and_is_raised():
+    async def main():
+        closed: list[str] = []
+        slow = _stream(["s1", "s2", "s3"], closed, pause_s=30)  # would take a minute and a half
+        events = ingress._interleaved([_stream(["f1"], closed, fail=True), slow])
+        with pytest.raises(RuntimeError, match="broken"):
+            async with asyncio.timeout(10):
+                async for _ in events:
+                    pass
+        await events.aclose()
+        return closed
+
+    assert sorted(asyncio.run(main())) == ["f1", "s1"]  # the slow stream was closed, not waited for
+
+
+def test_all_calls_give_their_results_in_order_and_the_first_failure_cancels_the_rest():
+    async def main():
+        cancelled = []
+
+        async def slow():
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.append("slow")
+                raise
+
+        async def fails():
+            await asyncio.sleep(0)
+            raise ValueError("no")
+
+        async def value(v):
+            return v
+
+        assert await ingress._all([value(1), value(2), value(3)]) == [1, 2, 3]
+        with pytest.raises(ValueError):
+            async with asyncio.timeout(10):
+                await ingress._all([slow(), fails()])
+        return cancelled
+
+    assert asyncio.run(main()) == ["slow"]
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global names a function's code (its comprehensions and inner functions included) may read."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _methods(cls: type) -> dict[str, types.FunctionType]:
+    """The functions of ``cls`` and of its bases from the ingress's module, by name."""
+    return {
+        f"{klass.__qualname__}.{name}": f
+        for klass in cls.__mro__
+        if klass.__module__ == ingress.__name__
+        for name, f in vars(klass).items()
+        if isinstance(f, types.FunctionType)
+    }
+
+
+SHIPPED_GLOBALS = """
+import json, sys, types, ray.cloudpickle as cp
+cls = cp.loads(sys.stdin.buffer.read())
+methods = {f"{k.__qualname__}.{n}": f for k in cls.__mro__ if k.__module__ == "kairos_ray.serve.ingress"
+           for n, f in vars(k).items() if isinstance(f, types.FunctionType)}
+print(json.dumps({name: sorted(f.__globals__) for name, f in methods.items()}))
+"""
+
+
+def test_every_module_helper_the_ingress_calls_travels_with_its_pickled_class():
+    """Serve ships the ingress class to its replicas pickled by value with the globals its methods read, as
+    cloudpickle finds them: a helper it misses is a NameError at the first request that calls it."""
+    cls = ingress.Ingress.func_or_class
+    module = vars(ingress)
+    wanted = {name: {g for g in _names(f.__code__) if g in module} for name, f in _methods(cls).items()}
+    shipped = subprocess.run(
+        [sys.executable, "-c", SHIPPED_GLOBALS], input=cloudpickle.dumps(cls), capture_output=True, timeout=300,
+        cwd="/",
+    )  # fmt: skip
+    assert shipped.returncode == 0, shipped.stderr.decode()[-2000:]
+    found = json.loads(shipped.stdout.decode().strip().splitlines()[-1])
+    assert wanted.keys() == found.keys() and "Ingress._serve" in found
+    missing = {name: sorted(names - set(found[name])) for name, names in wanted.items() if names - set(found[name])}
+    assert not missing, f"not shipped with the ingress class: {missing}"
+
+
+def test_n_samples_are_a_choice_each_seeded_as_vllms_engine_seeds_them():
+    prompts = asyncio.run(EMULATED.prepare({"model": MODEL, "prompt": [[1, 2], [3]], "n": 3, "seed": 10}, False))
+    assert [(p.prompt_token_ids, p.sample) for p in prompts] == [((1, 2), s) for s in range(3)] + [
+        ((3,), s) for s in range(3)
+    ]
+    assert [p.sampling.seed for p in prompts] == [10, 11, 12] * 2 and {p.sampling.n for p in prompts} == {1}
+    unseeded = asyncio.run(EMULATED.prepare({"model": MODEL, "prompt": "a", "n": 2, "max_tokens": 1}, False))
+    assert [p.sampling.seed for p in unseeded] == [None, None]
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(EMULATED.prepare({"model": MODEL, "prompt": ["a"] * 22, "n": 3, "max_tokens": 1}, False))
+    assert refused.value.param == "n" and "64 choices" in refused.value.message
+
+
+class _Run:
+    """A run whose first token comes when the test says so."""
+
+    def __init__(self, started: list[int], index: int) -> None:
+        self.started, self.index, self.go = started, index, asyncio.Event()
+
+    async def start(self):
+        self.started.append(self.index)
+        await self.go.wait()
+        return [self.index]
+
+
+def test_a_prompts_other_samples_start_once_its_first_has_its_first_token():
+    """So that a prefix-aware router finds the prompt's KV cached where the first sample built it."""
+    prompts = asyncio.run(EMULATED.prepare({"model": MODEL, "prompt": [[1, 2], [3]], "n": 2, "max_tokens": 1}, False))
+
+    async def main():
+        started: list[int] = []
+        runs = [_Run(started, i) for i in range(4)]
+        task = asyncio.ensure_future(ingress._started(runs, prompts))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert sorted(started) == [0, 2]  # each prompt's first sample, at once
+        runs[2].go.set()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert sorted(started) == [0, 2, 3]
+        for run in runs:
+            run.go.set()
+        return await task, started
+
+    firsts, started = asyncio.run(main())
+    assert firsts == [[0], [1], [2], [3]] and sorted(started) == [0, 1, 2, 3]

@@ -12,8 +12,9 @@ to the other.
 
 Beside the app runs vLLM's own OpenAI server on the same model and engine
 arguments: the same requests to both must give the same answers, on both
-routes, and every field of vLLM's request models is honoured as there or
-refused with a 400.
+routes (a list of prompts, each on its own route, too), every field of vLLM's
+request models is honoured as there or refused with a 400, and ``/tokenize``,
+``/detokenize`` and ``/version`` answer as there.
 """
 
 import contextlib
@@ -384,9 +385,100 @@ def test_answers_equal_vllms_own_server_on_both_routes(cpu_app, vllm_server, cas
             assert ours.body["logprobs"] is not None
 
 
+def choices_of(url: str, body: dict, stream: bool, chat: bool = False) -> tuple[dict[int, dict], dict, list[str]]:
+    """(each choice of a response of several choices by its index: text, finish and stop reasons, token ids,
+    logprobs, prompt ids; the usage; the routes the choices name, where they name them), streamed or not."""
+    body, path = {"model": MODEL, **body}, "/v1/chat/completions" if chat else "/v1/completions"
+    if not stream:
+        r = httpx.post(f"{url}{path}", json=body, timeout=600)
+        assert r.status_code == 200, r.text
+        response = r.json()
+        choices = {c["index"]: c for c in response["choices"]}
+        routes = [c["kairos"]["route"] for c in response["choices"] if "kairos" in c]
+        assert len(choices) == len(response["choices"])
+        return (
+            {i: {**answer({**response, "choices": [c]}, chat), "id": None} for i, c in choices.items()},
+            response["usage"],
+            routes,
+        )
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=600) as r:
+        assert r.status_code == 200
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    events = [json.loads(line) for line in lines[:-1]]
+    assert len({e["id"] for e in events}) == 1 and not any("error" in e for e in events)
+    (usage,) = [e["usage"] for e in events if not e["choices"]]
+    indices = sorted({e["choices"][0]["index"] for e in events if e["choices"]})
+    by_index = {i: [e for e in events if e["choices"] and e["choices"][0]["index"] == i] for i in indices}
+    routes = [evs[0]["kairos"]["route"] for evs in by_index.values() if "kairos" in evs[0]]
+    answers = {}
+    for i, evs in by_index.items():
+        joined = streamed_answer(evs, chat)
+        answers[i] = {k: joined[k] for k in ("text", "finish_reason", "stop_reason", "logprobs", "token_ids")}
+        answers[i] |= {"prompt_token_ids": joined["prompt_token_ids"]}
+    return answers, usage, routes
+
+
+def assert_same_choices(
+    url: str, vllm_server: str, body: dict, stream: bool, count: int, chat: bool = False
+) -> tuple[dict[int, dict], list[str]]:
+    """The app's ``count`` choices equal vLLM's server's (logprobs within the tolerance), usage included; (ours,
+    the routes they name)."""
+    ours, our_usage, routes = choices_of(url, body, stream, chat)
+    theirs, their_usage, _ = choices_of(vllm_server, body, stream, chat)
+    assert sorted(ours) == sorted(theirs) == list(range(count))
+    keys = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert {k: our_usage[k] for k in keys} == {k: their_usage[k] for k in keys}
+    for index in ours:
+        mine, vllms = dict(ours[index]), dict(theirs[index])
+        assert_logprobs_close(mine.pop("logprobs"), vllms.pop("logprobs"))
+        assert mine == vllms, index
+    return ours, routes
+
+
+BATCHES = {
+    "greedy": {"max_tokens": 12, "temperature": 0.0, "logprobs": 2, "return_token_ids": True},
+    "seeded": {"max_tokens": 12, "temperature": 0.8, "seed": 77},
+    "echo": {"max_tokens": 6, "temperature": 0.0, "echo": True},
+    "token ids": {"max_tokens": 8, "temperature": 0.0},
+}
+
+
+@pytest.mark.parametrize("case", list(BATCHES))
+def test_a_list_of_prompts_answers_as_vllms_own_server_each_prompt_on_its_route(cpu_app, vllm_server, case):
+    """Four prompts, two deflected and two handed off: the same choices (tokens, logprobs within 1e-3), indices
+    and summed usage as vLLM's server, streamed and not."""
+    url, _ = cpu_app
+    words = [SHORT, LONG, SHORT + 3, LONG - 5]
+    prompts: list = [prompt(w) for w in words]
+    if case == "token ids":
+        prompts = [[5 + k % 590 for k in range(2 * w)] for w in words]  # as many tokens as a prompt of w words
+    body = {"prompt": prompts, **BATCHES[case]}
+    for stream in (False, True):
+        _, routes = assert_same_choices(url, vllm_server, body, stream, count=4)
+        assert routes == ["deflect", "prefill", "deflect", "prefill"]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("route, words", [("deflect", SHORT), ("prefill", LONG)])
+def test_n_seeded_samples_answer_as_vllms_own_server(cpu_app, vllm_server, chat, route, words):
+    """n = 3 seeded samples: the same three choices as vLLM's server (each sample seeded as its engine seeds
+    it), the prompt counted once in the usage, streamed and not."""
+    url, _ = cpu_app
+    body = request_of(chat, words, {"n": 3, "max_tokens": 10, "temperature": 1.0, "seed": 11, "logprobs": 2})
+    if chat:
+        body = {**body, "logprobs": True, "top_logprobs": 2}
+    for stream in (False, True):
+        ours, routes = assert_same_choices(url, vllm_server, body, stream, count=3, chat=chat)
+        assert len({ours[i]["text"] for i in ours}) > 1  # three samples, not one thrice
+        assert routes[0] == route
+
+
 HONOURED = "honoured"  # the answer equals vLLM's server's and differs from the answer without the field
 REFUSED = "refused"  # a 400 naming the field here (the app does not serve it)
 VLLM_REFUSES = "refused as vLLM's server refuses it"  # the same 4xx from both servers
+ELSEWHERE = "compared with vLLM's server by a test of its own"  # several choices: not one answer to compare
 INERT = "inert, as in vLLM's server"  # both give the answer they give without it (nothing here for it to act on)
 
 FORCED = {"logit_bias": {"2": 100}}  # the end-of-sequence token at every step
@@ -422,7 +514,7 @@ SHARED: dict[str, Served] = {
     "repetition_penalty": Served(HONOURED, {"repetition_penalty": 2.0}),
     "logit_bias": Served(HONOURED, {"logit_bias": {"100": 100}}),
     "max_tokens": Served(HONOURED, {"max_tokens": 4}),
-    "n": Served(REFUSED, {"n": 2}),
+    "n": Served(ELSEWHERE),
     "seed": Served(HONOURED, SEEDED, {**SEEDED, "seed": 4}),
     "stop": Served(HONOURED, _stop, WORDS_ONLY),
     "stream": Served(HONOURED, stream=True, keys=("events",)),
@@ -531,6 +623,45 @@ CHAT_ONLY: dict[str, Served] = {
 TABLES = {False: {**SHARED, **COMPLETIONS_ONLY}, True: {**SHARED, **CHAT_ONLY}}
 
 
+UTILITIES = {
+    "tokenize": {"model": MODEL, "prompt": prompt(SHORT), "return_token_strs": True},
+    "tokenize bare": {"prompt": prompt(7), "add_special_tokens": False},
+    "tokenize chat": {"messages": [{"role": "user", "content": prompt(9)}], "return_token_strs": True},
+    "tokenize chat open": {
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": prompt(5)}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    },
+    "tokenize both": {"messages": [], "add_generation_prompt": True, "continue_final_message": True},
+    "tokenize other model": {"model": "other", "prompt": "a"},
+    "tokenize no prompt": {"model": MODEL},
+    "detokenize": {"model": MODEL, "tokens": [5, 86, 261, 541, 594, 491, 12, 300]},
+    "detokenize not ids": {"tokens": ["a"]},
+}
+
+
+@pytest.mark.parametrize("case", list(UTILITIES))
+def test_tokenize_and_detokenize_answer_as_vllms_own_server(cpu_app, vllm_server, case):
+    """Same status and body (an error's status and the field it names)."""
+    url, _ = cpu_app
+    path = "/" + case.split()[0]
+    ours = httpx.post(f"{url}{path}", json=UTILITIES[case], timeout=60)
+    theirs = httpx.post(f"{vllm_server}{path}", json=UTILITIES[case], timeout=60)
+    assert ours.status_code == theirs.status_code, (ours.text, theirs.text)
+    if theirs.status_code == 200:
+        assert ours.json() == theirs.json()
+    else:
+        mine, vllms = ours.json()["error"], theirs.json()["error"]
+        assert mine["code"] == vllms["code"] == theirs.status_code
+        assert mine["param"] == (vllms["param"] or "").removeprefix("body.") or vllms["param"] is None
+
+
+def test_version_answers_as_vllms_own_server(cpu_app, vllm_server):
+    ours, theirs = httpx.get(f"{cpu_app[0]}/version", timeout=30), httpx.get(f"{vllm_server}/version", timeout=30)
+    assert ours.status_code == theirs.status_code == 200
+    assert ours.json()["version"] == theirs.json()["version"] and ours.json()["kairos_ray"]
+
+
 def test_the_field_tables_cover_every_field_of_vllms_request_models():
     """When vLLM grows a request field, this fails until the table says how the app serves it."""
     assert set(TABLES[False]) == set(CompletionRequest.model_fields)
@@ -551,7 +682,9 @@ def resolved(value: dict | Callable[[dict], dict], chat: bool, server: str) -> d
 
 
 @pytest.mark.parametrize(
-    "chat, name", [(chat, name) for chat in (False, True) for name in TABLES[chat]], ids=lambda v: str(v)
+    "chat, name",
+    [(chat, name) for chat in (False, True) for name in TABLES[chat] if TABLES[chat][name].kind != ELSEWHERE],
+    ids=lambda v: str(v),
 )
 def test_every_request_field_is_honoured_as_vllm_honours_it_or_refused(cpu_app, vllm_server, chat, name):
     url, _ = cpu_app
