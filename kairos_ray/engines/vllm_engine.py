@@ -70,7 +70,7 @@ import ray
 from kairos_ray.core import DecodeNodeView, JournaledBlockCache, PrefillNodeView, StepLatencyModel
 from kairos_ray.engines import EngineUnhealthy, NodeSpec, check_schedule
 from kairos_ray.engines.reporting import StateReporter
-from kairos_ray.engines.vllm_args import GUARD_KEY, SCHEDULE_KEY, guard_spec
+from kairos_ray.engines.vllm_args import GUARD_KEY, JOIN_KEY, SCHEDULE_KEY, guard_spec, join_spec
 from kairos_ray.engines.vllm_events import KVEventMirror, events_config, events_endpoint, mirrorable
 from kairos_ray.engines.vllm_worker import EXTENSION as SEEDED_CHUNKS
 from kairos_ray.kv import KAIROS_CONNECTOR, KVBytes, KVLost, KVTransport, build_transport
@@ -145,6 +145,7 @@ class VllmEngine:
         engine_metrics: bool = False,
         reporter: StateReporter | None = None,
         guard: dict[str, Any] | None = None,
+        join_guard: dict[str, Any] | None = None,
         kv_timeout_s: float = 30.0,
         staging_dir: str | None = None,
         kv_channel: str | None = None,
@@ -155,6 +156,7 @@ class VllmEngine:
         ray_node_id: str = "",
     ) -> None:
         self.node_id, self.role, self.guard = node_id, Role(role), guard
+        self.join_guard = join_guard  # decode, admission on: a hand-off joins the batch only within beta * tau
         self.stall_timeout_s = stall_timeout_s
         self.reporter = reporter or StateReporter("", None, None, 1.0)
         self.reporter.snapshot = self.state
@@ -195,6 +197,9 @@ class VllmEngine:
         guard = None
         if policy.guards_chunks:  # the scheduler re-checks each chunk with the model the policy decides with
             guard = guard_spec(policy.decode_model, policy.params.chunk_candidates, policy.params.tbt_budget_s)
+        join_guard = None
+        if policy.join_guard() is not None:  # admission's decode-side protection, checked by the scheduler
+            join_guard = join_spec(policy.decode_model, policy.params.tbt_budget_s)
         return cls(
             spec.node_id,
             spec.role,
@@ -205,6 +210,7 @@ class VllmEngine:
                 spec.ray_node_id, model, spec.on_state, options.report_interval_s, options.report_refresh_s
             ),
             guard=guard,
+            join_guard=join_guard,
             kv_timeout_s=options.kv_timeout_s,
             kv_channel=options.kv_channel,
             hold_blocks=options.kv_hold_blocks,
@@ -495,6 +501,8 @@ class VllmEngine:
             )
             if kv_params is not None:
                 extra["kv_transfer_params"] = kv_params
+            if self.join_guard:
+                extra[JOIN_KEY] = self.join_guard
         self.reporter.accepted(rid)
         self._active[rid] = request.prompt_tokens
         index = 0

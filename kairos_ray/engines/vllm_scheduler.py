@@ -27,6 +27,15 @@ meanwhile, or a hit the router did not know of), the schedule's leading
 chunks cover what is left, and any remainder runs as one more chunk
 (``nodes.covering``, as in the simulator), the guard re-checking each.
 
+With ``extra_args["join_guard"]`` (a hand-off, admission on) a request waits
+before it joins the decode batch while the step with it joined (and with the
+deflected chunk planned next) would overrun beta * tau
+(``core.admission.joined_step_fits``, Eq. 4 against Eq. 5's budget): held
+out of vLLM's waiting queue for that step, hand-offs in their order, until
+the batch shrinks; a node with nothing decoding takes it, since nothing else
+would make room. Decode-side protection, as the simulator's decode node does
+it (``nodes.DecodeNode``).
+
 ``chunk_log`` keeps, for the last ``CHUNK_LOG_REQUESTS`` requests with a
 schedule, one ``(prefill tokens, other requests decoding)`` pair per step each
 prefilled in: the record that shows the plan was followed and interleaved
@@ -44,8 +53,9 @@ from typing import Any
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from kairos_ray.core import StepLatencyModel
+from kairos_ray.core.admission import joined_step_fits
 from kairos_ray.core.sweep import largest_safe_chunk
-from kairos_ray.engines.vllm_args import GUARD_KEY, SCHEDULE_KEY
+from kairos_ray.engines.vllm_args import GUARD_KEY, JOIN_KEY, SCHEDULE_KEY
 from kairos_ray.nodes import covering
 
 CHUNK_LOG_REQUESTS = 64  # requests whose chunk steps ``chunk_log`` keeps, the latest
@@ -101,7 +111,7 @@ class ChunkScheduleScheduler(Scheduler):
         spec = _extra(request).get(GUARD_KEY)
         if not spec:
             return chunk
-        decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        decoding = self._decoding()
         model = _guard_model(tuple(spec["coefficients"]), int(spec["tile_tokens"]))
         prefix = request.num_computed_tokens
         kv_tokens = prefix + sum(r.num_computed_tokens for r in decoding)  # resident: the decodes' and its own
@@ -110,8 +120,45 @@ class ChunkScheduleScheduler(Scheduler):
         )
         return max(1, safe)
 
+    def _decoding(self) -> list[Any]:
+        return [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
+
+    def _held(self, deflected: tuple[str, int] | None) -> list[Any]:
+        """The waiting hand-offs that may not join this step (``join_guard``), in their order: the first that
+        does not fit beside the decode batch, the hand-offs let in before it and the deflected chunk, and every
+        hand-off after it."""
+        decoding = self._decoding()
+        if not decoding:
+            return []
+        batch, kv_tokens = len(decoding), sum(r.num_computed_tokens for r in decoding)
+        chunk, prefix = 0, 0
+        if deflected is not None:
+            chunk, prefix = deflected[1], self.requests[deflected[0]].num_computed_tokens
+        held: list[Any] = []
+        for request in self.waiting:
+            spec = _extra(request).get(JOIN_KEY)
+            if not spec:
+                continue
+            model = _guard_model(tuple(spec["coefficients"]), int(spec["tile_tokens"]))
+            prompt = request.num_prompt_tokens
+            if held or not joined_step_fits(model, batch, kv_tokens, prompt, spec["tbt_budget_s"], chunk, prefix):
+                held.append(request)
+            else:
+                batch, kv_tokens = batch + 1, kv_tokens + prompt
+        return held
+
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         deflected = self._deflected()
+        held = self._held(deflected)
+        if not held:
+            return self._schedule(deflected, *args, **kwargs)
+        self.waiting.remove_requests(held)
+        try:
+            return self._schedule(deflected, *args, **kwargs)
+        finally:
+            self.waiting.prepend_requests(reversed(held))  # back at the front, in their order
+
+    def _schedule(self, deflected: tuple[str, int] | None, *args: Any, **kwargs: Any) -> Any:
         if deflected is None:
             return super().schedule(*args, **kwargs)
         request_id, chunk = deflected

@@ -71,7 +71,7 @@ from kairos_ray.serve.dispatch import (
 from kairos_ray.serve.live import live_state
 from kairos_ray.serve.metrics import IngressMetrics
 from kairos_ray.serve.protocol import PreparedRequest, RequestError, error_body
-from kairos_ray.serve.responses import Exposure, ResponseWriter, batch_body, route_headers
+from kairos_ray.serve.responses import Exposure, ResponseWriter, batch_body, prompt_tokens, route_headers
 from kairos_ray.serve.tokens import Preprocessor
 
 logger = logging.getLogger("ray.serve")
@@ -152,7 +152,11 @@ async def _started(runs: list[RequestRun], prompts: tuple[PreparedRequest, ...])
 
 
 async def _all(calls: Iterable[Awaitable[_T]]) -> list[_T]:
-    """The results of concurrent calls, in order; the first failure cancels the rest and is raised."""
+    """The results of concurrent calls, in order; the first failure cancels the rest and is raised. A lone call
+    is awaited as it is (no task: most requests have one choice)."""
+    calls = list(calls)
+    if len(calls) == 1:
+        return [await calls[0]]
     tasks = [asyncio.ensure_future(call) for call in calls]
     try:
         return await asyncio.gather(*tasks)
@@ -377,7 +381,7 @@ class Ingress:
             ids = [request_id, *(next(self._ids) for _ in prompts[1:])]
             runs = [self.dispatcher.run(self._engine_request(i, p)) for i, p in zip(ids, prompts, strict=True)]
             try:
-                firsts = [await runs[0].start()] if len(runs) == 1 else await _started(runs, prompts)
+                firsts = await _started(runs, prompts)
             except BaseException as exc:
                 for run in runs:
                     run.close()
@@ -414,7 +418,7 @@ class Ingress:
                 for run in runs:
                     run.close()
             bodies = [writer.full(tokens) for writer, tokens in zip(writers, outputs, strict=True)]
-            body = bodies[0] if len(bodies) == 1 else batch_body(bodies, [p.sample == 0 for p in prompts])
+            body = bodies[0] if len(bodies) == 1 else batch_body(bodies, prompt_tokens(writers))
             return JSONResponse(body, headers=headers)
         finally:
             if not streaming:
@@ -549,7 +553,7 @@ class Ingress:
             yield writer.error(f"request {request_id} failed after {sum(counts)} tokens: {broken.message}")
         else:
             if writer.options.include_usage:
-                yield writer.usage(sum(counts), sum(w.prompt_tokens for w in writers if w.request.sample == 0))
+                yield writer.usage(sum(counts), prompt_tokens(writers))
         finally:
             await events.aclose()
         yield writer.done()

@@ -273,15 +273,20 @@ class ResponseWriter:
         return "data: [DONE]\n\n"
 
 
-def batch_body(bodies: Sequence[dict[str, Any]], counted: Sequence[bool]) -> dict[str, Any]:
+def prompt_tokens(writers: Sequence[ResponseWriter]) -> int:
+    """The prompt tokens of a request of several choices as vLLM's server counts them: each prompt once, not
+    once per sample."""
+    return sum(writer.prompt_tokens for writer in writers if writer.request.sample == 0)
+
+
+def batch_body(bodies: Sequence[dict[str, Any]], prompt_tokens: int) -> dict[str, Any]:
     """The body of a request of several choices (prompts, samples) from each choice's own
-    (``ResponseWriter.full``): the choices in order, usage summed as vLLM's server sums it (each prompt's tokens
-    where ``counted``: once, not once per sample); each choice carries its own route (``kairos``), if shown."""
+    (``ResponseWriter.full``): the choices in order, usage summed (``prompt_tokens``: see ``prompt_tokens``);
+    each choice carries its own route (``kairos``), if shown."""
     choices = []
     for body in bodies:
         (choice,) = body["choices"]
         choices.append({**choice, **({"kairos": body["kairos"]} if "kairos" in body else {})})
-    prompt_tokens = sum(body["usage"]["prompt_tokens"] for body, count in zip(bodies, counted, strict=True) if count)
     completion_tokens = sum(body["usage"]["completion_tokens"] for body in bodies)
     first = {key: value for key, value in bodies[0].items() if key != "kairos"}
     return {**first, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}

@@ -15,7 +15,9 @@ import pytest
 import ray
 
 from kairos_ray.config import KairosConfig
+from kairos_ray.core import StepLatencyModel
 from kairos_ray.engines.reporting import StateReporter
+from kairos_ray.engines.vllm_args import join_spec
 from kairos_ray.engines.vllm_engine import VllmEngine
 from kairos_ray.kv.channel import ChannelTicket, KVChannel
 from kairos_ray.messages import EngineRequest, KVHandoff, Role
@@ -279,6 +281,41 @@ def test_a_deflected_request_runs_its_chunk_schedule_step_by_step(nodes):
     run(tokens(decode, request(700, PROMPTS[2], schedule), None))
     prefill_steps = [step.chunk_tokens for s in states["decode"] for step in s.steps if step.chunk_tokens]
     assert tuple(prefill_steps) == schedule
+
+
+def test_a_handoff_joins_the_decode_batch_only_once_its_step_fits_the_budget(nodes, reference):
+    """Admission's decode-side protection on a vLLM decode node: under a join guard whose budget a step of two
+    decoding requests overruns (10 ms + 1 ms per request against 11.5 ms), a hand-off that arrives while
+    another request decodes starts only once that one has finished; its tokens are a plain run's."""
+    run, prefill, decode, _ = nodes
+    order: list[str] = []
+
+    async def stream(req, handoff, name):
+        out = []
+        async for ready in decode.generate(req, handoff):
+            order.extend(name for _ in ready)
+            out += [event.token_id for event in ready]
+        return out
+
+    async def scenario():
+        decoder = dataclasses.replace(request(800, PROMPTS[0], (len(PROMPTS[0]),)), max_tokens=256)
+        decoding = asyncio.ensure_future(stream(decoder, None, "decoder"))
+        while not order:  # decoding: the hand-off comes while it has 255 tokens to go
+            await asyncio.sleep(0.01)
+        joiner = request(801, PROMPTS[1])
+        handoff = await prefill.prefill(joiner)
+        try:
+            return await stream(joiner, handoff, "joiner"), await decoding
+        finally:
+            prefill.release(joiner.request_id)
+
+    decode.join_guard = join_spec(StepLatencyModel(0.01, 0.001, 0, 0, 0, 0), 0.0115)
+    try:
+        joined, decoded = run(scenario())
+    finally:
+        decode.join_guard = None
+    assert len(decoded) == 256 and joined == reference[1]
+    assert order.index("joiner") == len(decoded)  # every token of the decoder came first
 
 
 def test_cpu_engines_of_a_host_spread_over_its_cores(monkeypatch):

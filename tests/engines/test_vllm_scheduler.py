@@ -5,7 +5,7 @@ from collections import OrderedDict
 import pytest
 
 from kairos_ray.core import StepLatencyModel
-from kairos_ray.engines.vllm_args import GUARD_KEY, guard_spec
+from kairos_ray.engines.vllm_args import GUARD_KEY, JOIN_KEY, guard_spec, join_spec
 from kairos_ray.engines.vllm_scheduler import CHUNK_LOG_REQUESTS, ChunkScheduleScheduler, next_chunk
 from tests.engines.tiny import GREEDY, PROMPTS, engine
 
@@ -16,6 +16,9 @@ TIGHT_GUARD = guard_spec(StepLatencyModel(0.01, 0, 0, 1e-4, 0, 0), (256, 128, 64
 # Each prefill token also costs 0.1 us per token of its request's prefix, against 36.5 ms: 256 fits a first chunk
 # (35.6 ms), but from a prefix of 256 on only 128 does (42.2 ms against 26.1 ms)
 PREFIX_GUARD = guard_spec(StepLatencyModel(0.01, 0, 0, 1e-4, 0, 0, c_chunk_prefix=1e-7), (256, 128, 64), 0.0365)
+# 10 ms a step plus 1 ms a decoding request: a request joining one that decodes makes a 12 ms step, over 11.5 ms
+JOIN_MODEL = StepLatencyModel(0.01, 0.001, 0, 0, 0, 0)
+TIGHT_JOIN, LOOSE_JOIN = join_spec(JOIN_MODEL, 0.0115), join_spec(JOIN_MODEL, 0.05)
 
 
 def test_next_chunk_walks_the_schedule():
@@ -63,6 +66,7 @@ def runs():
                 # the engine core keys requests by the front end's id plus a suffix
                 (record,) = [log for rid, log in scheduler.chunk_log.items() if rid.split("-")[0] == outs[1].request_id]
                 out.append((list(outs[1].outputs[0].token_ids), record))
+        joins = {name: joined(llm, scheduler, spec) for name, spec in (("tight", TIGHT_JOIN), ("loose", LOOSE_JOIN))}
         del llm
         plain = engine()
         reference = [
@@ -71,11 +75,33 @@ def runs():
                 [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=8, **greedy), use_tqdm=False
             )
         ]
-    return deflected, reference, guarded, by_prefix
+    return deflected, reference, guarded, by_prefix, joins
+
+
+def joined(llm, scheduler, spec) -> tuple[bool, list[int]]:
+    """A request carrying the join guard ``spec`` (as a hand-off does) sent while another decodes: whether it
+    started beside that one, and its greedy tokens."""
+    from vllm import SamplingParams
+
+    core = llm.llm_engine
+    core.add_request("decoder", {"prompt_token_ids": list(range(50, 60))}, SamplingParams(max_tokens=16, **GREEDY))
+    core.step()  # prefilled: decoding from here on
+    params = SamplingParams(max_tokens=8, extra_args={JOIN_KEY: spec}, **GREEDY)
+    core.add_request("joiner", {"prompt_token_ids": PROMPTS[1]}, params)
+    decoding, beside, tokens = True, False, []
+    while core.has_unfinished_requests():
+        for output in core.step():
+            if output.request_id == "decoder" and output.finished:
+                decoding = False
+            if output.request_id == "joiner" and output.finished:
+                tokens = list(output.outputs[0].token_ids)
+        started = [r for rid, r in scheduler.requests.items() if rid.startswith("joiner") and r.num_computed_tokens]
+        beside |= bool(started) and decoding
+    return beside, tokens
 
 
 def test_deflected_prefill_follows_its_schedule_interleaved_with_decodes(runs):
-    deflected, _, _, _ = runs
+    deflected, *_ = runs
     for prompt, (_, record) in zip(PROMPTS, deflected, strict=True):
         assert [tokens for tokens, _ in record] == schedule_for(len(prompt))
         if len(record) > 1:
@@ -83,7 +109,7 @@ def test_deflected_prefill_follows_its_schedule_interleaved_with_decodes(runs):
 
 
 def test_deflected_tokens_equal_a_plain_engines(runs):
-    deflected, reference, guarded, by_prefix = runs
+    deflected, reference, guarded, by_prefix, _ = runs
     assert [tokens for tokens, _ in deflected] == reference
     assert [tokens for tokens, _ in guarded] == reference
     assert [tokens for tokens, _ in by_prefix] == reference
@@ -91,7 +117,7 @@ def test_deflected_tokens_equal_a_plain_engines(runs):
 
 def test_the_run_time_guard_shrinks_chunks_that_no_longer_fit_beside_the_batch(runs):
     """Beside a decoding request only 64-token chunks fit TIGHT_GUARD's budget; alone, the plan runs as is."""
-    _, _, guarded, _ = runs
+    _, _, guarded, *_ = runs
     for prompt, (_, record) in zip(PROMPTS, guarded, strict=True):
         assert sum(tokens for tokens, _ in record) == len(prompt)
         assert all(tokens <= 64 for tokens, decoding in record if decoding)
@@ -100,7 +126,7 @@ def test_the_run_time_guard_shrinks_chunks_that_no_longer_fit_beside_the_batch(r
 
 def test_the_run_time_guard_counts_the_requests_own_prefix(runs):
     """Beside a decoding request, the first 256-token chunk fits PREFIX_GUARD; once 256 tokens are in, only 128."""
-    _, _, _, by_prefix = runs
+    _, _, _, by_prefix, _ = runs
     for prompt, (_, record) in zip(PROMPTS, by_prefix, strict=True):
         assert sum(tokens for tokens, _ in record) == len(prompt)
         prefix = 0
@@ -109,6 +135,16 @@ def test_the_run_time_guard_counts_the_requests_own_prefix(runs):
                 assert tokens <= 128
             prefix += tokens
     assert any(tokens == 256 for tokens, _ in by_prefix[-1][1])  # the unshrunk first chunk
+
+
+def test_a_handoff_whose_joining_step_would_overrun_waits_until_the_batch_shrinks(runs):
+    """Decode-side protection: beside a decoding request the joined step takes 12 ms, over TIGHT_JOIN's 11.5 ms,
+    so the request waits until that one has finished; within LOOSE_JOIN's it joins at once. Its tokens are the
+    same either way, a plain engine's."""
+    _, reference, _, _, joins = runs
+    (tight_beside, tight_tokens), (loose_beside, loose_tokens) = joins["tight"], joins["loose"]
+    assert not tight_beside and loose_beside
+    assert tight_tokens == loose_tokens == reference[1]
 
 
 def test_the_chunk_log_keeps_the_latest_requests_only():

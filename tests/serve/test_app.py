@@ -179,7 +179,9 @@ def test_overload_answers_429_with_retry_after_and_loses_nothing(live_app):
     codes = [r.status_code for r in responses]
     assert set(codes) == {200, 429}, codes
     for r in responses:
-        if r.status_code == 429:
+        if r.status_code == 429 and "x-kairos-shed" in r.headers:  # admission's: no route in time once queues grew
+            assert int(r.headers["retry-after"]) >= 1 and "objective" in r.json()["error"]["message"]
+        elif r.status_code == 429:  # the in-flight cap's (48 here)
             assert r.headers["retry-after"] == "1" and r.json()["error"]["message"].startswith("server busy")
         else:
             assert r.json()["usage"]["completion_tokens"] == 300  # every admitted request completes

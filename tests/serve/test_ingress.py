@@ -29,7 +29,7 @@ from kairos_ray.serve.admission import Admission
 from kairos_ray.serve.auth import ApiKeys
 from kairos_ray.serve.dispatch import RouteTaken
 from kairos_ray.serve.protocol import LIST_CAPS, PreparedRequest, RequestError
-from kairos_ray.serve.responses import Exposure, ResponseWriter, batch_body, route_headers
+from kairos_ray.serve.responses import Exposure, ResponseWriter, batch_body, prompt_tokens, route_headers
 from kairos_ray.serve.tokens import Preprocessor
 
 from .bodies import BODIES
@@ -315,12 +315,18 @@ def test_a_batch_body_lists_each_prompts_choice_with_its_route_and_sums_usage():
         for index, (route, p) in enumerate(zip((DEFLECTED, HANDED_OFF), prompts, strict=True))
     ]
     bodies = [writers[0].full(tokens(2)), writers[1].full(tokens(1))]
-    body = batch_body(bodies, [True, True])
+    body = batch_body(bodies, prompt_tokens(writers))
     assert [c["index"] for c in body["choices"]] == [0, 1] and body["id"] == bodies[0]["id"] == bodies[1]["id"]
     assert [c["kairos"]["route"] for c in body["choices"]] == ["deflect", "prefill"] and "kairos" not in body
     assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
     streamed = writers[1].tokens(tokens(1))
     assert json.loads(streamed.removeprefix("data: "))["choices"][0]["index"] == 1
+
+
+def test_a_prompts_samples_count_its_tokens_once():
+    samples = asyncio.run(Preprocessor("m", 32_768).prepare({"model": "m", "prompt": "a b c", "n": 3}, False))
+    writers = [ResponseWriter(MODEL, DEFLECTED, p, Exposure.FULL, i, named_after=7) for i, p in enumerate(samples)]
+    assert len(writers) == 3 and prompt_tokens(writers) == samples[0].prompt_tokens > 0
 
 
 async def _stream(items: list[str], closed: list[str], fail: bool = False, pause_s: float = 0.0):
