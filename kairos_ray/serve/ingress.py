@@ -85,7 +85,10 @@ app = FastAPI(
     redoc_url=None,
 )
 
-OFF_LOOP_BYTES = 64 << 10  # bodies at least this large are parsed in a thread
+# Bodies at least this large are parsed in a thread. Parsing holds the GIL either way (JSON and vLLM's request
+# models are C and Rust), so a thread spares the other requests little and costs this one a trip through the busy
+# loop per hop: a full context's prompt (about 250 KB of token ids) is parsed on the loop.
+OFF_LOOP_BYTES = 512 << 10
 # Serve's proxy reads these from the client and would let it keep its request running after it left, or past
 # Serve's request_timeout_s: a request that carries one is refused before any work starts.
 PROXY_HEADERS = ("x-request-disconnect-disabled", "x-request-timeout-seconds")
