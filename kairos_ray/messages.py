@@ -215,6 +215,9 @@ class DecisionRequest:
     block_ids: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     priority: int = 0  # vLLM's request priority (lower is more important): admission sheds the least important first
     sheddable: bool = True  # False for a retry or a migration of an admitted request: routed, never shed
+    # a decode node known to hold the prompt's KV (another sample of the prompt has its first token there): its hit
+    # is every full block of the prompt, whether or not its prefix-cache report has come in ("": none known)
+    held_on: str = ""
 
 
 @dataclass(frozen=True, slots=True)

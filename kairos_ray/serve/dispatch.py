@@ -252,9 +252,12 @@ class Dispatcher:
             return {}
         return {size: block_ids(ids, size) for size in self.block_tokens}
 
-    async def decide(self, request: EngineRequest, avoid: tuple[str, ...], sheddable: bool = True) -> RoutingReply:
+    async def decide(
+        self, request: EngineRequest, avoid: tuple[str, ...], sheddable: bool = True, held_on: str = ""
+    ) -> RoutingReply:
         """The router's reply for ``request`` on the nodes not in ``avoid`` (a fallback when it cannot answer);
-        ``sheddable``: whether admission may shed it (only a request's first try)."""
+        ``sheddable``: whether admission may shed it (only a request's first try); ``held_on``: a decode node
+        known to hold the prompt's KV (``DecisionRequest.held_on``)."""
         wanted = DecisionRequest(
             request.request_id,
             request.prompt_tokens,
@@ -263,6 +266,7 @@ class Dispatcher:
             self.block_ids(request),
             request.priority,
             sheddable,
+            held_on,
         )
         asked = time.perf_counter()
         try:
@@ -298,14 +302,17 @@ class RequestRun:
         self._done = False  # the last token has come
         self._decode_node: str | None = None
         self._held: KVHandoff | None = None  # a hand-off whose KV the prefill node still holds
+        self._held_on = ""  # a decode node known to hold the prompt's KV, told the router on the first try
 
     # ---- before the first token ----------------------------------------------------------------
 
-    async def start(self) -> list[TokenEvent]:
-        """Run the request to its first token (with whatever came with it), retrying on failed nodes.
+    async def start(self, held_on: str = "") -> list[TokenEvent]:
+        """Run the request to its first token (with whatever came with it), retrying on failed nodes; its first
+        try tells the router that decode node ``held_on`` holds its prompt's KV, if one is known.
 
         Raises ``RequestFailed``.
         """
+        self._held_on = held_on
         limits = self.limits
         failure: _NodeFailed | None = None
         try:
@@ -331,7 +338,9 @@ class RequestRun:
         """One try: decide, run the route, wait for the first tokens; raises ``_NodeFailed``."""
         request = dataclasses.replace(request, attempt=self.attempts)
         self.attempts += 1
-        reply = await self.dispatcher.decide(request, tuple(self._avoid), sheddable=self.attempts == 1)
+        first_try = self.attempts == 1
+        held_on = self._held_on if first_try else ""
+        reply = await self.dispatcher.decide(request, tuple(self._avoid), first_try, held_on)
         decision = reply.decision
         if decision.shed:  # nothing taken yet: answered at once
             assert decision.admission is not None

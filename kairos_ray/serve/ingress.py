@@ -135,8 +135,9 @@ def _route(run: RequestRun) -> RouteTaken:
 
 async def _started(runs: list[RequestRun], prompts: tuple[PreparedRequest, ...]) -> list[list[TokenEvent]]:
     """The first tokens of each of a request's runs (a prompt's ``n`` samples in a row): the prompts' first
-    samples at once, each prompt's other samples once its first sample's KV is built, so that a prefix-aware
-    router can send them where that KV is cached (once the node has reported it) rather than build it again."""
+    samples at once, each prompt's other samples once its first sample's KV is built, the router told which
+    decode node holds that KV (before the node's own report says so), so that the samples are deflected there
+    onto the cached prompt rather than build its KV again."""
     groups: list[list[int]] = []  # the runs of each prompt, its first sample's first
     for index, prompt in enumerate(prompts):
         if prompt.sample == 0:
@@ -147,7 +148,8 @@ async def _started(runs: list[RequestRun], prompts: tuple[PreparedRequest, ...])
     async def samples(group: list[int]) -> None:
         head, *rest = group
         firsts[head] = await runs[head].start()
-        for index, tokens in zip(rest, await _all(runs[i].start() for i in rest), strict=True):
+        held_on = _route(runs[head]).decode_node
+        for index, tokens in zip(rest, await _all(runs[i].start(held_on) for i in rest), strict=True):
             firsts[index] = tokens
 
     await _all(samples(group) for group in groups)

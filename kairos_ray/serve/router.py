@@ -167,15 +167,19 @@ class RouterState:
     def _sizes_changed(self) -> None:
         self.block_tokens = tuple(sorted({cache.block_tokens for cache in self.caches.values()}))
 
-    def hits(self, block_ids: Mapping[int, tuple[int, ...]], prompt_tokens: int) -> PrefixHits | None:
-        """Each node's cached prefix of a prompt with these block hashes (None: the prompt has no identity)."""
+    def hits(
+        self, block_ids: Mapping[int, tuple[int, ...]], prompt_tokens: int, held_on: str = ""
+    ) -> PrefixHits | None:
+        """Each node's cached prefix of a prompt with these block hashes (None: the prompt has no identity);
+        ``held_on``'s is every full block (``DecisionRequest.held_on``: its cache holds them, reported or not)."""
         if not block_ids:
             return None
         tokens = {}
         for node, cache in self.caches.items():
             hashes = block_ids.get(cache.block_tokens)
             if hashes:
-                tokens[node] = cache.cached_tokens(hashes, prompt_tokens)
+                held = len(hashes) * cache.block_tokens if node == held_on else 0
+                tokens[node] = max(held, cache.cached_tokens(hashes, prompt_tokens))
         return PrefixHits(tokens)
 
     def forget_silent_nodes(self, now: float) -> None:
@@ -291,15 +295,18 @@ class RouterState:
         block_ids: Mapping[int, tuple[int, ...]] | None = None,
         priority: int = 0,
         sheddable: bool = True,
+        held_on: str = "",
     ) -> tuple[Decision, float]:
         """(decision, staleness) on the nodes not in ``avoid``; raises ``MissingState`` while a pool has none.
 
-        ``block_ids``: the prompt's block hashes per block size, for the nodes' cached prefixes (``hits``);
+        ``block_ids``: the prompt's block hashes per block size, for the nodes' cached prefixes (``hits``; a node
+        ``held_on`` holds them all);
         ``priority``: vLLM's, which admission sheds by; a request not ``sheddable`` (the retry of an admitted
         one) is admitted whatever admission says. A shed request leaves the ledger as it was.
         """
         view, staleness = self.view(now, avoid)
-        decision = self.policy.decide(prompt_tokens, view, self.hits(block_ids or {}, prompt_tokens), priority)
+        hits = self.hits(block_ids or {}, prompt_tokens, held_on)
+        decision = self.policy.decide(prompt_tokens, view, hits, priority)
         if decision.shed and not sheddable:
             assert decision.admission is not None
             decision = replace(decision, admission=decision.admission.overruled())
@@ -389,6 +396,7 @@ class RouterActor:
                     r.block_ids,
                     r.priority,
                     r.sheddable,
+                    r.held_on,
                 )
             except MissingState as exc:
                 replies.append(RoutingReply.fallback_for(str(exc)))

@@ -459,15 +459,19 @@ class _Run:
 
     def __init__(self, started: list[int], index: int) -> None:
         self.started, self.index, self.go = started, index, asyncio.Event()
+        self.route = dataclasses.replace(DEFLECTED, decode_node=f"decode-{index}")
+        self.held_on: str | None = None
 
-    async def start(self):
+    async def start(self, held_on: str = ""):
         self.started.append(self.index)
+        self.held_on = held_on
         await self.go.wait()
         return [self.index]
 
 
 def test_a_prompts_other_samples_start_once_its_first_has_its_first_token():
-    """So that a prefix-aware router finds the prompt's KV cached where the first sample built it."""
+    """So that a prefix-aware router finds the prompt's KV cached where the first sample built it: the router is
+    told which decode node holds it."""
     prompts = asyncio.run(EMULATED.prepare({"model": MODEL, "prompt": [[1, 2], [3]], "n": 2, "max_tokens": 1}, False))
 
     async def main():
@@ -483,7 +487,8 @@ def test_a_prompts_other_samples_start_once_its_first_has_its_first_token():
         assert sorted(started) == [0, 2, 3]
         for run in runs:
             run.go.set()
-        return await task, started
+        return await task, started, runs
 
-    firsts, started = asyncio.run(main())
+    firsts, started, runs = asyncio.run(main())
     assert firsts == [[0], [1], [2], [3]] and sorted(started) == [0, 1, 2, 3]
+    assert [run.held_on for run in runs] == ["", "decode-0", "", "decode-2"]

@@ -212,6 +212,23 @@ def test_a_turn_goes_to_the_node_holding_its_history_priced_by_its_uncached_suff
     assert d1.committed[-1] == decision.chunk_schedule and d1.committed_cached_tokens[-1] == 2048
 
 
+def test_a_sample_goes_where_its_prompt_s_kv_is_held_before_that_node_reports_it():
+    """``held_on`` (another sample of the prompt has its first token on d1): d1's hit is every full block of the
+    prompt though d1's mirror is empty, so the sample is deflected there onto the cached prompt."""
+    router = kairos_router()
+    ids = block_ids(PROMPT, 16)
+    router.report(prefill_state("p0", []), now=0.0)
+    for node in ("d0", "d1"):
+        router.report(replace(decode_state(node, batch=8), prefix=prefix(0, full=True)), now=0.0)
+    assert router.hits({16: ids}, len(PROMPT)).tokens_by_node == {"d0": 0, "d1": 0}
+    assert router.hits({16: ids}, len(PROMPT), held_on="d1").tokens_by_node == {"d0": 0, "d1": 2048 + 32}
+    unhinted, _ = router.decide(1, len(PROMPT), 10, now=0.1, block_ids={16: ids})
+    decision, _ = router.decide(2, len(PROMPT), 10, now=0.1, block_ids={16: ids}, held_on="d1")
+    assert unhinted.route is Route.PREFILL  # priced whole, the prompt is disaggregated
+    assert decision.route is Route.DEFLECT and decision.decode_node == "d1"
+    assert sum(decision.chunk_schedule) == len(PROMPT) - decision.cached_prompt_tokens <= 16
+
+
 def test_a_live_router_switches_policy_on_its_configured_model_and_knobs():
     from kairos_ray.config import KairosConfig
     from kairos_ray.core import DecodeNodeView, PrefillNodeView, Route
