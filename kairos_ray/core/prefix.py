@@ -128,10 +128,15 @@ class BlockCache:
         """Cached blocks no request holds (evictable)."""
         return len(self._free)
 
+    def usable_blocks(self, hashes: Sequence[BlockHash], prompt_tokens: int) -> int:
+        """Leading blocks of a prompt a hit may count: whole ones, at most ``prompt_tokens - 1`` tokens (its last
+        token is computed whatever the cache holds, as vLLM does)."""
+        return min(len(hashes), (prompt_tokens - 1) // self.block_tokens)
+
     def cached_tokens(self, hashes: Sequence[BlockHash], prompt_tokens: int) -> int:
         """Leading tokens of a prompt the cache holds: whole blocks, at most ``prompt_tokens - 1``."""
         holders = self._holders
-        usable = min(len(hashes), (prompt_tokens - 1) // self.block_tokens)
+        usable = self.usable_blocks(hashes, prompt_tokens)
         hit = 0
         while hit < usable and hashes[hit] in holders:
             hit += 1

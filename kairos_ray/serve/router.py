@@ -171,14 +171,15 @@ class RouterState:
         self, block_ids: Mapping[int, tuple[int, ...]], prompt_tokens: int, held_on: str = ""
     ) -> PrefixHits | None:
         """Each node's cached prefix of a prompt with these block hashes (None: the prompt has no identity);
-        ``held_on``'s is every full block (``DecisionRequest.held_on``: its cache holds them, reported or not)."""
+        ``held_on``'s is every block a hit may count (``DecisionRequest.held_on``: its cache holds them, reported or
+        not)."""
         if not block_ids:
             return None
         tokens = {}
         for node, cache in self.caches.items():
             hashes = block_ids.get(cache.block_tokens)
             if hashes:
-                held = len(hashes) * cache.block_tokens if node == held_on else 0
+                held = cache.usable_blocks(hashes, prompt_tokens) * cache.block_tokens if node == held_on else 0
                 tokens[node] = max(held, cache.cached_tokens(hashes, prompt_tokens))
         return PrefixHits(tokens)
 

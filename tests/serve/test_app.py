@@ -244,8 +244,8 @@ def test_n_samples_are_n_choices_and_the_prompt_is_counted_once(live_app):
 
 def test_n_samples_build_their_prompt_s_kv_once(live_app):
     """The first sample builds the prompt's KV (a deflection, or a prefill and a hand-off); the other three are
-    deflected to its decode node, where all of the prompt but its last partial block (16-token blocks) is
-    cached, before that node has reported it."""
+    deflected to its decode node, where all of the prompt's 16-token blocks but the one with its last token
+    are cached, before that node has reported it."""
     url, _ = live_app
     prompt = list(range(70_000, 76_000))
     r = completion(url, prompt=prompt, max_tokens=4, n=4, seed=7)
@@ -253,7 +253,7 @@ def test_n_samples_build_their_prompt_s_kv_once(live_app):
     first, *rest = [c["kairos"] for c in r.json()["choices"]]
     for sample in rest:
         assert sample["route"] == "deflect" and sample["decode_node"] == first["decode_node"], (first, sample)
-        assert sample["cached_tokens"] == len(prompt) // 16 * 16, sample
+        assert sample["cached_tokens"] == (len(prompt) - 1) // 16 * 16, sample
 
 
 def test_a_list_with_a_prompt_no_route_serves_in_time_is_shed_whole_and_lists_are_capped(live_app):

@@ -222,6 +222,7 @@ def test_a_sample_goes_where_its_prompt_s_kv_is_held_before_that_node_reports_it
         router.report(replace(decode_state(node, batch=8), prefix=prefix(0, full=True)), now=0.0)
     assert router.hits({16: ids}, len(PROMPT)).tokens_by_node == {"d0": 0, "d1": 0}
     assert router.hits({16: ids}, len(PROMPT), held_on="d1").tokens_by_node == {"d0": 0, "d1": 2048 + 32}
+    assert router.hits({16: ids[:128]}, 2048, held_on="d1").at("d1") == 2048 - 16  # the last token is computed
     unhinted, _ = router.decide(1, len(PROMPT), 10, now=0.1, block_ids={16: ids})
     decision, _ = router.decide(2, len(PROMPT), 10, now=0.1, block_ids={16: ids}, held_on="d1")
     assert unhinted.route is Route.PREFILL  # priced whole, the prompt is disaggregated
