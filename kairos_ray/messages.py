@@ -216,7 +216,7 @@ class DecisionRequest:
     priority: int = 0  # vLLM's request priority (lower is more important): admission sheds the least important first
     sheddable: bool = True  # False for a retry or a migration of an admitted request: routed, never shed
     # a decode node known to hold the prompt's KV (another sample of the prompt has its first token there): its hit
-    # is every full block of the prompt, whether or not its prefix-cache report has come in ("": none known)
+    # is every block a hit may count, whether or not its prefix-cache report has come in ("": none known)
     held_on: str = ""
 
 

@@ -136,8 +136,8 @@ def _route(run: RequestRun) -> RouteTaken:
 async def _started(runs: list[RequestRun], prompts: tuple[PreparedRequest, ...]) -> list[list[TokenEvent]]:
     """The first tokens of each of a request's runs (a prompt's ``n`` samples in a row): the prompts' first
     samples at once, each prompt's other samples once its first sample's KV is built, the router told which
-    decode node holds that KV (before the node's own report says so), so that the samples are deflected there
-    onto the cached prompt rather than build its KV again."""
+    decode node holds that KV (before the node's own report says so), so that a prefix-aware policy prices them
+    there as the prompt's uncached suffix rather than build its KV again."""
     groups: list[list[int]] = []  # the runs of each prompt, its first sample's first
     for index, prompt in enumerate(prompts):
         if prompt.sample == 0:
