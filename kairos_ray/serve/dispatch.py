@@ -302,7 +302,6 @@ class RequestRun:
         self._done = False  # the last token has come
         self._decode_node: str | None = None
         self._held: KVHandoff | None = None  # a hand-off whose KV the prefill node still holds
-        self._held_on = ""  # a decode node known to hold the prompt's KV, told the router on the first try
 
     # ---- before the first token ----------------------------------------------------------------
 
@@ -312,14 +311,13 @@ class RequestRun:
 
         Raises ``RequestFailed``.
         """
-        self._held_on = held_on
         limits = self.limits
         failure: _NodeFailed | None = None
         try:
             async with asyncio.timeout(limits.first_token_timeout_s):
                 while self.attempts < limits.max_attempts:
                     try:
-                        first = await self._attempt(self.request)
+                        first = await self._attempt(self.request, held_on)
                         self.sent += [event.token_id for event in first]
                         return first
                     except _NodeFailed as failed:
@@ -334,13 +332,13 @@ class RequestRun:
             ) from None
         raise RequestFailed(503, f"the request failed on {self.attempts} tries", f"last: {failure}")
 
-    async def _attempt(self, request: EngineRequest) -> list[TokenEvent]:
-        """One try: decide, run the route, wait for the first tokens; raises ``_NodeFailed``."""
+    async def _attempt(self, request: EngineRequest, held_on: str = "") -> list[TokenEvent]:
+        """One try: decide, run the route, wait for the first tokens; raises ``_NodeFailed``. ``held_on`` goes
+        to the router on the request's first try only (``Dispatcher.decide``)."""
         request = dataclasses.replace(request, attempt=self.attempts)
         self.attempts += 1
         first_try = self.attempts == 1
-        held_on = self._held_on if first_try else ""
-        reply = await self.dispatcher.decide(request, tuple(self._avoid), first_try, held_on)
+        reply = await self.dispatcher.decide(request, tuple(self._avoid), first_try, held_on if first_try else "")
         decision = reply.decision
         if decision.shed:  # nothing taken yet: answered at once
             assert decision.admission is not None

@@ -179,8 +179,10 @@ class RouterState:
         for node, cache in self.caches.items():
             hashes = block_ids.get(cache.block_tokens)
             if hashes:
-                held = cache.usable_blocks(hashes, prompt_tokens) * cache.block_tokens if node == held_on else 0
-                tokens[node] = max(held, cache.cached_tokens(hashes, prompt_tokens))
+                if node == held_on:
+                    tokens[node] = cache.usable_blocks(hashes, prompt_tokens) * cache.block_tokens
+                else:
+                    tokens[node] = cache.cached_tokens(hashes, prompt_tokens)
         return PrefixHits(tokens)
 
     def forget_silent_nodes(self, now: float) -> None:
@@ -300,8 +302,8 @@ class RouterState:
     ) -> tuple[Decision, float]:
         """(decision, staleness) on the nodes not in ``avoid``; raises ``MissingState`` while a pool has none.
 
-        ``block_ids``: the prompt's block hashes per block size, for the nodes' cached prefixes (``hits``; a node
-        ``held_on`` holds them all);
+        ``block_ids``: the prompt's block hashes per block size, for the nodes' cached prefixes (``hits``; node
+        ``held_on`` holds every block a hit may count);
         ``priority``: vLLM's, which admission sheds by; a request not ``sheddable`` (the retry of an admitted
         one) is admitted whatever admission says. A shed request leaves the ledger as it was.
         """
