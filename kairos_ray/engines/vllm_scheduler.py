@@ -127,6 +127,9 @@ class ChunkScheduleScheduler(Scheduler):
         """The waiting hand-offs that may not join this step (``join_guard``), in their order: the first that
         does not fit beside the decode batch, the hand-offs let in before it and the deflected chunk, and every
         hand-off after it."""
+        guarded = [(r, spec) for r in self.waiting if (spec := _extra(r).get(JOIN_KEY))]
+        if not guarded:  # admission off, or no hand-off waiting: the decode batch need not be listed
+            return []
         decoding = self._decoding()
         if not decoding:
             return []
@@ -135,10 +138,7 @@ class ChunkScheduleScheduler(Scheduler):
         if deflected is not None:
             chunk, prefix = deflected[1], self.requests[deflected[0]].num_computed_tokens
         held: list[Any] = []
-        for request in self.waiting:
-            spec = _extra(request).get(JOIN_KEY)
-            if not spec:
-                continue
+        for request, spec in guarded:
             model = _guard_model(tuple(spec["coefficients"]), int(spec["tile_tokens"]))
             prompt = request.num_prompt_tokens
             if held or not joined_step_fits(model, batch, kv_tokens, prompt, spec["tbt_budget_s"], chunk, prefix):

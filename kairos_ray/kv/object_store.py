@@ -21,22 +21,39 @@ KV_PIN_S = 120.0  # longest a prefill node holds a KV payload that no decode nod
 
 
 class KVPins:
-    """References a sender holds until the decode node has them, or ``pin_s`` at most."""
+    """References a sender holds until the decode node has them, or ``pin_s`` at most.
 
-    def __init__(self, pin_s: float = KV_PIN_S) -> None:
+    A pin whose release never comes (its request ended where the release
+    could not reach this node) expires on any use, ``len`` included: the
+    node's periodic report reads ``held``, so an idle node drops it too.
+    ``clock`` times the pins (tests move it).
+    """
+
+    def __init__(self, pin_s: float = KV_PIN_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.pin_s = pin_s
-        self._pinned: dict[int, tuple[Any, float]] = {}  # request id -> (reference, since)
+        self._clock = clock
+        self._pinned: dict[int, tuple[Any, float]] = {}  # request id -> (reference, since), oldest first
+
+    def _expire(self) -> float:
+        now = self._clock()
+        while self._pinned:
+            oldest, (_, since) = next(iter(self._pinned.items()))
+            if now - since <= self.pin_s:
+                break
+            del self._pinned[oldest]
+        return now
 
     def pin(self, request_id: int, reference: Any) -> None:
-        now = time.monotonic()
-        for old in [r for r, (_, since) in self._pinned.items() if now - since > self.pin_s]:
-            del self._pinned[old]
+        now = self._expire()
+        self._pinned.pop(request_id, None)  # a re-pin moves to the end, keeping the oldest first
         self._pinned[request_id] = (reference, now)
 
     def release(self, request_id: int) -> None:
         self._pinned.pop(request_id, None)
+        self._expire()
 
     def __len__(self) -> int:
+        self._expire()
         return len(self._pinned)
 
 

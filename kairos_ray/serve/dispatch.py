@@ -45,6 +45,7 @@ import functools
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,8 @@ if TYPE_CHECKING:
     from vllm import SamplingParams
 
 logger = logging.getLogger("ray.serve")
+
+PROMPTS_HASHED_KEPT = 8  # latest prompts whose block hashes a dispatcher keeps (a request's samples share them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +240,11 @@ class Dispatcher:
         self.limits = limits
         self.metrics = metrics
         self.block_tokens: tuple[int, ...] = ()  # block sizes of the nodes' prefix caches, as the router last said
+        # id(prompt) -> (that prompt, block sizes, its hashes): the last few prompts hashed, so that a prompt's
+        # samples and a request's retries hash it once (they share its token-id tuple)
+        self._hashed: OrderedDict[int, tuple[tuple[int, ...], tuple[int, ...], dict[int, tuple[int, ...]]]] = (
+            OrderedDict()
+        )
 
     def run(self, request: EngineRequest) -> RequestRun:
         return RequestRun(self, request)
@@ -246,11 +254,21 @@ class Dispatcher:
         return {**self.mux.residue(), "decisions_waiting": len(self.decisions.waiting)}
 
     def block_ids(self, request: EngineRequest) -> dict[int, tuple[int, ...]]:
-        """The prompt's block hashes per block size the nodes cache with (empty: no prefix identity)."""
+        """The prompt's block hashes per block size the nodes cache with (empty: no prefix identity); hashed
+        once for the ``PROMPTS_HASHED_KEPT`` latest prompts (about 8 ms for 30,000 tokens in 16-token blocks)."""
         ids = request.prompt_token_ids
         if not ids or request.cache_salt is not None:
             return {}
-        return {size: block_ids(ids, size) for size in self.block_tokens}
+        kept = self._hashed.get(id(ids))
+        if kept is not None and kept[0] is ids and kept[1] == self.block_tokens:
+            self._hashed.move_to_end(id(ids))
+            return kept[2]
+        hashes = {size: block_ids(ids, size) for size in self.block_tokens}
+        self._hashed[id(ids)] = (ids, self.block_tokens, hashes)
+        self._hashed.move_to_end(id(ids))
+        while len(self._hashed) > PROMPTS_HASHED_KEPT:
+            self._hashed.popitem(last=False)
+        return hashes
 
     async def decide(
         self, request: EngineRequest, avoid: tuple[str, ...], sheddable: bool = True, held_on: str = ""

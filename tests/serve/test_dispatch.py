@@ -1,12 +1,14 @@
 """One request's run over fake pools (``tests/serve/fakes.py``): every way it can end, and what it leaves behind."""
 
 import asyncio
+import dataclasses
 
 import pytest
 
 from kairos_ray.core import Admission, Decision, Route, ShedReason
 from kairos_ray.messages import DecisionRequest, RoutingReply
 from kairos_ray.serve.dispatch import (
+    PROMPTS_HASHED_KEPT,
     DecisionBatcher,
     RequestFailed,
     ServingLimits,
@@ -314,3 +316,26 @@ def test_a_request_migrates_only_when_its_sampling_carries_over_exactly(fields, 
     found = migration_blocker(SamplingParams(**fields))
     assert found.startswith(blocker) and bool(found) is bool(blocker)
     assert migration_blocker(None) == ""  # emulated engines: nothing to carry
+
+
+def test_a_prompt_s_samples_and_retries_hash_its_blocks_once_and_only_the_latest_prompts_are_kept():
+    async def scenario():
+        cluster = FakeCluster(deflect_to("decode-a"))
+        dispatcher = cluster.dispatcher
+        dispatcher.block_tokens = (16,)
+        first = request(1, prompt_tokens=640)
+        sample = dataclasses.replace(first, request_id=2)  # a second sample: the same token-id tuple
+        hashes = dispatcher.block_ids(first)
+        assert len(hashes[16]) == 40
+        assert dispatcher.block_ids(sample) is hashes  # not hashed again
+        same_text = request(3, prompt_tokens=640)  # equal tokens, another prompt: hashed on its own, equal
+        assert dispatcher.block_ids(same_text) == hashes and dispatcher.block_ids(same_text) is not hashes
+        dispatcher.block_tokens = (16, 32)  # the nodes' block sizes changed: hashed again for both
+        assert set(dispatcher.block_ids(sample)) == {16, 32}
+        others = [request(10 + i, prompt_tokens=64) for i in range(PROMPTS_HASHED_KEPT)]
+        for other in others:
+            dispatcher.block_ids(other)
+        assert dispatcher.block_ids(first) is not hashes  # pushed out by later prompts: kept state is bounded
+        return dispatcher.block_ids(dataclasses.replace(first, cache_salt="tenant-b"))
+
+    assert run(scenario) == {}  # a salted prompt has no prefix identity the router could match
