@@ -34,7 +34,10 @@ deflected chunk planned next) would overrun beta * tau
 out of vLLM's waiting queue for that step, hand-offs in their order, until
 the batch shrinks; a node with nothing decoding takes it, since nothing else
 would make room. Decode-side protection, as the simulator's decode node does
-it (``nodes.DecodeNode``).
+it (``nodes.DecodeNode``). A hand-off that vLLM's own connectors load
+asynchronously (NIXL) is held before its load starts, its KV left on its
+prefill node; one whose load began while it fitted waits, once its KV is in,
+in vLLM's queue of requests holding KV blocks, and is checked there again.
 
 ``chunk_log`` keeps, for the last ``CHUNK_LOG_REQUESTS`` requests with a
 schedule, one ``(prefill tokens, other requests decoding)`` pair per step each
@@ -51,6 +54,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 from kairos_ray.core import StepLatencyModel
 from kairos_ray.core.admission import joined_step_fits
@@ -123,12 +127,18 @@ class ChunkScheduleScheduler(Scheduler):
     def _decoding(self) -> list[Any]:
         return [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
 
-    def _held(self, deflected: tuple[str, int] | None) -> list[Any]:
-        """The waiting hand-offs that may not join this step (``join_guard``), in their order: the first that
-        does not fit beside the decode batch, the hand-offs let in before it and the deflected chunk, and every
-        hand-off after it."""
-        guarded = [(r, spec) for r in self.waiting if (spec := _extra(r).get(JOIN_KEY))]
-        if not guarded:  # admission off, or no hand-off waiting: the decode batch need not be listed
+    def _held(self, deflected: tuple[str, int] | None) -> list[tuple[Any, Any]]:
+        """(queue, request) of the waiting hand-offs that may not join this step (``join_guard``), in the order
+        vLLM would take them (those holding KV blocks, as asynchronously loaded hand-offs do, then the rest): the
+        first that does not fit beside the decode batch, the hand-offs let in before it and the deflected chunk,
+        and every hand-off after it. A hand-off whose KV is still loading is not ready to join: left as it is."""
+        guarded = [
+            (queue, r, spec)
+            for queue in (self.kv_holding_waiting, self.waiting)
+            for r in queue
+            if (spec := _extra(r).get(JOIN_KEY)) and self._loaded(r)
+        ]
+        if not guarded:  # admission off, or no hand-off ready: the decode batch need not be listed
             return []
         decoding = self._decoding()
         if not decoding:
@@ -137,26 +147,38 @@ class ChunkScheduleScheduler(Scheduler):
         chunk, prefix = 0, 0
         if deflected is not None:
             chunk, prefix = deflected[1], self.requests[deflected[0]].num_computed_tokens
-        held: list[Any] = []
-        for request, spec in guarded:
+        held: list[tuple[Any, Any]] = []
+        for queue, request, spec in guarded:
             model = _guard_model(tuple(spec["coefficients"]), int(spec["tile_tokens"]))
             prompt = request.num_prompt_tokens
             if held or not joined_step_fits(model, batch, kv_tokens, prompt, spec["tbt_budget_s"], chunk, prefix):
-                held.append(request)
+                held.append((queue, request))
             else:
                 batch, kv_tokens = batch + 1, kv_tokens + prompt
         return held
+
+    def _loaded(self, request: Any) -> bool:
+        """Whether a waiting request's KV is here: not still loading from a remote node (vLLM's async loads)."""
+        return (
+            request.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+            or request.request_id in self.finished_recving_kv_req_ids
+        )
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         deflected = self._deflected()
         held = self._held(deflected)
         if not held:
             return self._schedule(deflected, *args, **kwargs)
-        self.waiting.remove_requests(held)
+        out = [(queue, [r for q, r in held if q is queue]) for queue in (self.kv_holding_waiting, self.waiting)]
+        for queue, requests in out:
+            if requests:
+                queue.remove_requests(requests)
         try:
             return self._schedule(deflected, *args, **kwargs)
         finally:
-            self.waiting.prepend_requests(reversed(held))  # back at the front, in their order
+            for queue, requests in out:
+                if requests:
+                    queue.prepend_requests(reversed(requests))  # back at the front of its queue, in their order
 
     def _schedule(self, deflected: tuple[str, int] | None, *args: Any, **kwargs: Any) -> Any:
         if deflected is None:

@@ -283,11 +283,10 @@ def test_a_deflected_request_runs_its_chunk_schedule_step_by_step(nodes):
     assert tuple(prefill_steps) == schedule
 
 
-def test_a_handoff_joins_the_decode_batch_only_once_its_step_fits_the_budget(nodes, reference):
-    """Admission's decode-side protection on a vLLM decode node: under a join guard whose budget a step of two
-    decoding requests overruns (10 ms + 1 ms per request against 11.5 ms), a hand-off that arrives while
-    another request decodes starts only once that one has finished; its tokens are a plain run's."""
-    run, prefill, decode, _ = nodes
+def joined_under_a_tight_guard(run, prefill, decode, rid: int) -> tuple[list[int], list[int], list[str]]:
+    """(the hand-off's tokens, the decoder's, whose each token was in order): a hand-off that arrives while
+    another request decodes, on a decode node whose join guard a step of two decoding requests overruns
+    (10 ms + 1 ms per request against 11.5 ms)."""
     order: list[str] = []
 
     async def stream(req, handoff, name):
@@ -298,11 +297,11 @@ def test_a_handoff_joins_the_decode_batch_only_once_its_step_fits_the_budget(nod
         return out
 
     async def scenario():
-        decoder = dataclasses.replace(request(800, PROMPTS[0], (len(PROMPTS[0]),)), max_tokens=256)
+        decoder = dataclasses.replace(request(rid, PROMPTS[0], (len(PROMPTS[0]),)), max_tokens=256)
         decoding = asyncio.ensure_future(stream(decoder, None, "decoder"))
         while not order:  # decoding: the hand-off comes while it has 255 tokens to go
             await asyncio.sleep(0.01)
-        joiner = request(801, PROMPTS[1])
+        joiner = request(rid + 1, PROMPTS[1])
         handoff = await prefill.prefill(joiner)
         try:
             return await stream(joiner, handoff, "joiner"), await decoding
@@ -314,6 +313,14 @@ def test_a_handoff_joins_the_decode_batch_only_once_its_step_fits_the_budget(nod
         joined, decoded = run(scenario())
     finally:
         decode.join_guard = None
+    return joined, decoded, order
+
+
+def test_a_handoff_joins_the_decode_batch_only_once_its_step_fits_the_budget(nodes, reference):
+    """Admission's decode-side protection on a vLLM decode node: the hand-off starts only once the decoding
+    request has finished; its tokens are a plain run's."""
+    run, prefill, decode, _ = nodes
+    joined, decoded, order = joined_under_a_tight_guard(run, prefill, decode, 800)
     assert len(decoded) == 256 and joined == reference[1]
     assert order.index("joiner") == len(decoded)  # every token of the decoder came first
 

@@ -7,7 +7,7 @@ NixlConnector pulls the blocks. Greedy tokens must equal a plain run's.
 import pytest
 
 from kairos_ray.bench.local import free_port
-from tests.engines.test_vllm_engine import OUTPUT, plain_tokens, request, tokens
+from tests.engines.test_vllm_engine import OUTPUT, joined_under_a_tight_guard, plain_tokens, request, tokens
 from tests.engines.tiny import PROMPTS, TINY_KWARGS, node_pair
 
 pytestmark = pytest.mark.vllm
@@ -36,3 +36,12 @@ def test_nixl_hand_off_matches_a_plain_run(nixl_nodes):
         assert isinstance(handoff.kv, dict) and handoff.kv.get("remote_block_ids")  # NIXL's own parameters
         got = run(tokens(decode, req, handoff))
         assert len(got) == OUTPUT and got == run(plain_tokens(decode, i, prompt))
+
+
+def test_a_nixl_hand_off_joins_the_decode_batch_only_once_its_step_fits_the_budget(nixl_nodes):
+    """A hand-off vLLM loads asynchronously is held before its load starts (its KV waits on the prefill node)
+    until the decoding request has finished; its tokens are a plain run's."""
+    run, prefill, decode = nixl_nodes
+    joined, decoded, order = joined_under_a_tight_guard(run, prefill, decode, 600)
+    assert len(decoded) == 256 and joined == run(plain_tokens(decode, 1, PROMPTS[1]))
+    assert order.index("joiner") == len(decoded)  # every token of the decoder came first
