@@ -117,4 +117,5 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         kairos.slo,
         decode.model_loading_config.source if vllm else None,
         decode.vllm_engine_kwargs() if vllm else None,  # its tokenizer and served name included
+        decode.output_parsing() if vllm else None,  # its tool calling: the ingress parses the answers
     )

@@ -31,9 +31,17 @@ What ``LLMConfig``'s fields mean here, as in Ray Serve LLM:
   on by default.
 - ``llm_engine``: ``vLLM``, the only value Ray Serve LLM knows.
 
+Tool calling, as Ray Serve LLM users set it: vLLM's OpenAI-server arguments
+``enable_auto_tool_choice``, ``tool_call_parser``, ``tool_strict_level`` and
+``exclude_tools_when_tool_choice_none`` in the decode pool's ``engine_kwargs``
+(``OUTPUT_PARSING``) go to the ingress, which renders and parses chats with
+them (``serve.parsing``), not to the engines; ``reasoning_parser``, an engine
+argument, goes to both.
+
 Refused with the reason, never ignored: ``lora_config``, ``server_cls``,
 ``experimental_configs``, ``callback_config``, a cloud ``model_source``,
-TPUs, vLLM's OpenAI front-end arguments in ``engine_kwargs``, and the
+TPUs, vLLM's other OpenAI front-end arguments in ``engine_kwargs`` (and tool
+calling set on the prefill pool alone), and the
 ``deployment_config`` options Kairos sets itself (``request_router_config``,
 ``user_config``, ``placement_group_bundles`` / ``_strategy``).
 """
@@ -217,6 +225,14 @@ class Placement:
     gpu: bool  # GPU bundles: vLLM runs its workers as Ray actors in them (distributed_executor_backend ray)
 
 
+OUTPUT_PARSING = (
+    "enable_auto_tool_choice",
+    "tool_call_parser",
+    "tool_strict_level",
+    "exclude_tools_when_tool_choice_none",
+)
+"""vLLM OpenAI-server arguments a pool's ``engine_kwargs`` may carry: the ingress's tool calling (``serve.parsing``)."""
+
 VLLM_ONLY = ("engine_kwargs", "llm_engine", "accelerator_config", "placement_group_config", "log_engine_metrics")
 """Pool fields that only vLLM engines use: an emulated pool that sets one is refused."""
 
@@ -291,11 +307,17 @@ class PoolConfig(_Strict):
         return self
 
     def vllm_engine_kwargs(self) -> dict[str, Any]:
-        """vLLM's arguments for a node: ``engine_kwargs``, the served name and tokenizer (as Ray Serve LLM)."""
-        kwargs = {"served_model_name": self.model_loading_config.model_id, **self.engine_kwargs}
+        """vLLM's arguments for a node: ``engine_kwargs`` but the ingress's (``OUTPUT_PARSING``), the served name
+        and tokenizer (as Ray Serve LLM)."""
+        engine = {k: v for k, v in self.engine_kwargs.items() if k not in OUTPUT_PARSING}
+        kwargs = {"served_model_name": self.model_loading_config.model_id, **engine}
         if self.model_loading_config.tokenizer_source is not None:
             kwargs.setdefault("tokenizer", self.model_loading_config.tokenizer_source)
         return kwargs
+
+    def output_parsing(self) -> dict[str, Any]:
+        """The ingress's tool-calling arguments among ``engine_kwargs`` (``OUTPUT_PARSING``)."""
+        return {k: v for k, v in self.engine_kwargs.items() if k in OUTPUT_PARSING}
 
     def placement(self) -> Placement:
         """A vLLM pool's placement group, from Ray Serve LLM's own ``LLMConfig``, which checks the pool first."""
@@ -313,11 +335,15 @@ class PoolConfig(_Strict):
         kind = llm.accelerator_config.kind
         if kind not in ("gpu", "cpu"):
             raise ValueError(f"accelerator_config: kind {kind!r}: Kairos-Ray runs vLLM on GPUs or CPUs")
-        if engine.frontend_kwargs:
+        served = set(engine.frontend_kwargs) - set(OUTPUT_PARSING)
+        if served:
             raise ValueError(
-                f"engine_kwargs {sorted(engine.frontend_kwargs)}: arguments of vLLM's OpenAI server, "
-                "which Kairos-Ray does not run (its ingress answers the OpenAI API)"
+                f"engine_kwargs {sorted(served)}: arguments of vLLM's OpenAI server, which Kairos-Ray does not run "
+                f"(its ingress answers the OpenAI API, and takes only {', '.join(OUTPUT_PARSING)})"
             )
+        loading = self.model_loading_config
+        tokenizer = loading.tokenizer_source or loading.source
+        _check_parsers(self.output_parsing(), self.engine_kwargs.get("reasoning_parser"), tokenizer)
         actor = self.deployment_config.ray_actor_options
         own = {"CPU": actor.get("num_cpus", 0), "GPU": actor.get("num_gpus", 0), **actor.get("resources", {})}
         if "memory" in actor:
@@ -461,6 +487,42 @@ class ServingConfig(_Strict):
         )
 
 
+def _check_parsers(parsing: dict[str, Any], reasoning_parser: str | None, tokenizer_source: str) -> None:
+    """vLLM's server's checks of its tool-calling arguments, before any replica starts: a parser each that vLLM
+    knows, auto tool choice with a tool-call parser, and parsers that find their markup in the model's tokenizer."""
+    from vllm.parser import ParserManager
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    tool_parser = parsing.get("tool_call_parser")
+    if parsing.get("enable_auto_tool_choice") and not tool_parser:
+        raise ValueError("engine_kwargs.enable_auto_tool_choice needs engine_kwargs.tool_call_parser (as in vLLM)")
+    for field, name, known in (
+        ("tool_call_parser", tool_parser, ToolParserManager.list_registered()),
+        ("reasoning_parser", reasoning_parser, ReasoningParserManager.list_registered()),
+    ):
+        if name and name not in known:
+            raise ValueError(f"engine_kwargs.{field} {name!r}: vLLM knows {', '.join(sorted(known))}")
+    if not tool_parser and not reasoning_parser:
+        return
+    from vllm.tokenizers import get_tokenizer
+
+    try:
+        tokenizer = get_tokenizer(tokenizer_source)
+    except (OSError, ValueError):  # not readable from here (a Hub name off-line): the ingress checks it as it starts
+        return
+    try:
+        ParserManager.get_parser(
+            tool_parser_name=tool_parser,
+            reasoning_parser_name=reasoning_parser,
+            enable_auto_tools=bool(parsing.get("enable_auto_tool_choice")),
+            model_name=tokenizer_source,
+            tokenizer=tokenizer,
+        )
+    except TypeError as exc:  # vLLM's own message names the parser and the tokenizer
+        raise ValueError(f"engine_kwargs: {exc}") from None
+
+
 class AppArgs(_Strict):
     """``build_pd_openai_app``'s ``prefill_config`` and ``decode_config``, plus Kairos's sections."""
 
@@ -498,6 +560,11 @@ class AppArgs(_Strict):
             raise ValueError(
                 f"both pools must serve one model: prefill has {p_model.model_id!r} from {p_model.source!r}, "
                 f"decode {d_model.model_id!r} from {d_model.source!r}"
+            )
+        if prefill.output_parsing() and prefill.output_parsing() != decode.output_parsing():
+            raise ValueError(
+                f"prefill_config.engine_kwargs {sorted(prefill.output_parsing())}: tool calling is the decode pool's "
+                "(its answers are parsed): set it in decode_config.engine_kwargs"
             )
         if prefill.engine == "vllm":
             for name, pool in (("prefill_config", prefill), ("decode_config", decode)):

@@ -71,7 +71,14 @@ from kairos_ray.serve.dispatch import (
 from kairos_ray.serve.live import live_state
 from kairos_ray.serve.metrics import IngressMetrics
 from kairos_ray.serve.protocol import PreparedRequest, RequestError, error_body
-from kairos_ray.serve.responses import Exposure, ResponseWriter, batch_body, prompt_tokens, route_headers
+from kairos_ray.serve.responses import (
+    Exposure,
+    ResponseWriter,
+    batch_body,
+    prompt_tokens,
+    reasoning_tokens,
+    route_headers,
+)
 from kairos_ray.serve.tokens import Preprocessor
 
 logger = logging.getLogger("ray.serve")
@@ -217,10 +224,11 @@ class Ingress:
         slo: SLOConfig,
         model_source: str | None = None,
         engine_kwargs: dict[str, Any] | None = None,
+        parsing_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.model_id = model_id
         self.opts, self.slo = opts, slo
-        self.preprocess = Preprocessor(model_id, opts.context_tokens, model_source, engine_kwargs)
+        self.preprocess = Preprocessor(model_id, opts.context_tokens, model_source, engine_kwargs, parsing_kwargs)
         self.keys = ApiKeys.gather(
             opts.api_keys, opts.api_key_env, opts.api_key_file, opts.admin_api_keys, opts.admin_api_key_env
         )
@@ -558,7 +566,7 @@ class Ingress:
             yield writer.error(f"request {request_id} failed after {sum(counts)} tokens: {broken.message}")
         else:
             if writer.options.include_usage:
-                yield writer.usage(sum(counts), prompt_tokens(writers))
+                yield writer.usage(sum(counts), prompt_tokens(writers), reasoning_tokens(writers))
         finally:
             await events.aclose()
         yield writer.done()
@@ -567,9 +575,11 @@ class Ingress:
         self, writer: ResponseWriter, run: RequestRun, first: list[TokenEvent], counts: list[int]
     ) -> AsyncGenerator[str, None]:
         """One prompt's events, its tokens counted in ``counts[writer.index]``; raises ``StreamBroken``."""
-        yield writer.tokens(first)
+        if events := writer.tokens(first):
+            yield events
         gaps = _Gaps()
         async for ready in self._timed(run, gaps):
             counts[writer.index] += len(ready)
-            yield writer.tokens(ready)
+            if events := writer.tokens(ready):  # none while a parser holds the text back
+                yield events
         self._judge(run, gaps)

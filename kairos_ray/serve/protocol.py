@@ -38,6 +38,8 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 if TYPE_CHECKING:
     from vllm import SamplingParams
 
+    from kairos_ray.serve.parsing import ChatParsing
+
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
 
@@ -174,6 +176,7 @@ class ResponseOptions:
     role: str = "assistant"  # chat: the answer's role (the last message's when no generation prompt is added)
     return_prompt_text: bool = False  # chat: the rendered prompt in the response
     grouped: bool = False  # ``stream_interval``: one event per group of tokens the engine sends, not per token
+    parsing: ChatParsing | None = None  # chat: tool calls and reasoning split out of the text (``serve.parsing``)
 
     @classmethod
     def of(cls, request: OpenAIRequest, response_id: str | None) -> ResponseOptions:

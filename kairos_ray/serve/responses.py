@@ -120,6 +120,9 @@ class ResponseWriter:
         self.id = f"{prefix}-{options.response_id or (route.request_id if named_after is None else named_after)}"
         self.created = int(time.time())
         self._text_offset = 0  # streamed completions' logprobs: where the next token's text starts
+        parsing = options.parsing
+        # a streamed chat's parser, if the app parses tool calls or reasoning (``serve.parsing``)
+        self.parsed = parsing.stream(request.prompt_token_ids) if parsing is not None and options.stream else None
 
     # ---- logprobs, as vLLM's server writes them -------------------------------------------------
 
@@ -186,9 +189,22 @@ class ResponseWriter:
         last = tokens[-1]
         choice: dict[str, Any] = {"index": self.index}
         extra: dict[str, Any] = {}
+        finish_reason = last.finish_reason or "length"
+        hidden = False  # a hidden reasoning's logprobs and token ids are not shown either
+        details: dict[str, Any] = {}
         if self.chat:
-            choice["message"] = {"role": self.options.role, "content": text}
-            choice["logprobs"] = self._chat_logprobs(tokens)
+            parsing = self.options.parsing
+            if parsing is None:
+                choice["message"] = {"role": self.options.role, "content": text}
+            else:
+                ids, prompt = [t.token_id for t in tokens], self.request.prompt_token_ids
+                choice["message"], finish_reason, thought = parsing.message(
+                    self.options.role, text, ids, prompt, finish_reason
+                )
+                hidden = parsing.hides_reasoning
+                if parsing.parsers.reasoning:
+                    details["completion_tokens_details"] = {"reasoning_tokens": thought}
+            choice["logprobs"] = None if hidden else self._chat_logprobs(tokens)
             if self.options.return_token_ids:
                 extra["prompt_token_ids"] = list(self.request.prompt_token_ids)
             if self.options.return_prompt_text:
@@ -198,9 +214,9 @@ class ResponseWriter:
             choice["logprobs"] = self._completion_logprobs(tokens, 0)[0]
             if self.options.return_token_ids:
                 choice["prompt_token_ids"] = list(self.request.prompt_token_ids)
-        choice["finish_reason"] = last.finish_reason or "length"
+        choice["finish_reason"] = finish_reason
         choice["stop_reason"] = last.stop_reason
-        if self.options.return_token_ids:
+        if self.options.return_token_ids and not hidden:
             choice["token_ids"] = [t.token_id for t in tokens]
         return {
             "id": self.id,
@@ -208,7 +224,7 @@ class ResponseWriter:
             "created": self.created,
             "model": self.model_id,
             "choices": [choice],
-            "usage": usage(self.prompt_tokens, len(tokens)),
+            "usage": {**usage(self.prompt_tokens, len(tokens)), **details},
             **extra,
             **self.route_field,
         }
@@ -238,9 +254,19 @@ class ResponseWriter:
         text = "".join(t.text for t in tokens)
         choice: dict[str, Any] = {"index": self.index}
         extra: dict[str, Any] = dict(self.route_field) if first else {}
+        hidden = False
         if self.chat:
-            choice["delta"] = {"role": self.options.role, "content": text} if first else {"content": text}
-            choice["logprobs"] = self._chat_logprobs(tokens)
+            if self.parsed is None:
+                delta: dict[str, Any] | None = {"content": text}
+                choice["logprobs"] = self._chat_logprobs(tokens)
+            else:
+                delta = self.parsed.delta(text, [t.token_id for t in tokens], last.finished)
+                hidden = self.parsed.parsing.hides_reasoning
+                choice["logprobs"] = None if hidden else self._chat_logprobs(tokens)
+                shows_tokens = choice["logprobs"] is not None or (self.options.return_token_ids and not hidden)
+                if delta is None and not (first or last.finished or shows_tokens):
+                    return ""  # nothing to show yet (a tool call's opening markup, say): no event, as vLLM's server
+            choice["delta"] = {"role": self.options.role, **(delta or {})} if first else (delta or {})
             if first and self.options.return_token_ids:
                 extra["prompt_token_ids"] = list(self.request.prompt_token_ids)
             if first and self.options.return_prompt_text:
@@ -250,19 +276,27 @@ class ResponseWriter:
             choice["logprobs"], self._text_offset = self._completion_logprobs(tokens, self._text_offset)
             if first and (self.options.return_token_ids or self.options.echo):  # as vLLM's server streams them
                 choice["prompt_token_ids"] = list(self.request.prompt_token_ids)
-        choice["finish_reason"] = (last.finish_reason or "length") if last.finished else None
+        finish_reason = last.finish_reason or "length"
+        if self.parsed is not None:
+            finish_reason = self.parsed.finish_reason(finish_reason)
+        choice["finish_reason"] = finish_reason if last.finished else None
         choice["stop_reason"] = last.stop_reason if last.finished else None
-        if self.options.return_token_ids:
+        if self.options.return_token_ids and not hidden:
             choice["token_ids"] = [t.token_id for t in tokens]
         if self.options.continuous_usage:
             extra["usage"] = usage(self.prompt_tokens, last.index + 1)
         return self._event(self._chunk([choice], **extra))
 
-    def usage(self, completion_tokens: int, prompt_tokens: int | None = None) -> str:
+    def usage(
+        self, completion_tokens: int, prompt_tokens: int | None = None, reasoning_tokens: int | None = None
+    ) -> str:
         """The closing usage event (``stream_options.include_usage``); ``prompt_tokens``: all prompts' (this
-        one's by default)."""
+        one's by default); ``reasoning_tokens``: all choices' (``responses.reasoning_tokens``), if counted."""
         prompts = self.prompt_tokens if prompt_tokens is None else prompt_tokens
-        return self._event(self._chunk([], usage=usage(prompts, completion_tokens)))
+        counted: dict[str, Any] = {**usage(prompts, completion_tokens)}
+        if reasoning_tokens is not None:
+            counted["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return self._event(self._chunk([], usage=counted))
 
     def error(self, message: str) -> str:
         """An OpenAI error object as a stream event: the stream cannot go on (``[DONE]`` follows)."""
@@ -277,6 +311,14 @@ def prompt_tokens(writers: Sequence[ResponseWriter]) -> int:
     """The prompt tokens of a request of several choices as vLLM's server counts them: each prompt once, not
     once per sample."""
     return sum(writer.prompt_tokens for writer in writers if writer.request.sample == 0)
+
+
+def reasoning_tokens(writers: Sequence[ResponseWriter]) -> int | None:
+    """The reasoning tokens of a streamed chat's choices, where a reasoning parser counts them (else None)."""
+    parsed = [writer.parsed for writer in writers if writer.parsed is not None]
+    if not parsed or not parsed[0].parsing.parsers.reasoning:
+        return None
+    return sum(p.reasoning_tokens() for p in parsed)
 
 
 def batch_body(bodies: Sequence[dict[str, Any]], prompt_tokens: int) -> dict[str, Any]:

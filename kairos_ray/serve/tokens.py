@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import functools
 import warnings
 from collections.abc import Awaitable, Mapping
@@ -45,6 +46,7 @@ from vllm.entrypoints.serve.tokenize.protocol import (
 from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 from vllm.exceptions import VLLMValidationError
 
+from kairos_ray.serve.parsing import OutputParsers
 from kairos_ray.serve.protocol import (
     MAX_CHOICES,
     OpenAIRequest,
@@ -177,7 +179,9 @@ class Preprocessor:
 
     ``model_source``/``engine_kwargs``: the decode pool's vLLM model and engine
     arguments (the prompt is rendered and checked as its engines will see it),
-    or None for emulated engines. ``context_tokens``: prompt + output must fit.
+    or None for emulated engines; ``parsing_kwargs``: its tool-call parsing
+    arguments (``serve.args.OUTPUT_PARSING``; ``serve.parsing``).
+    ``context_tokens``: prompt + output must fit.
     """
 
     def __init__(
@@ -186,6 +190,7 @@ class Preprocessor:
         context_tokens: int,
         model_source: str | None = None,
         engine_kwargs: Mapping[str, Any] | None = None,
+        parsing_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self.model_id = model_id
         self.context_tokens = context_tokens
@@ -194,10 +199,11 @@ class Preprocessor:
         self.renderer: Any = None  # vllm.renderers.online_renderer.OnlineRenderer
         self.processor: Any = None  # vllm.v1.engine.input_processor.InputProcessor
         self.tokenization: Any = None  # vllm.entrypoints.serve.tokenize.serving.ServingTokenization
+        self.parsers: OutputParsers | None = None  # tool-call and reasoning parsers of chat answers, if set
         if model_source is not None:
-            self._load(model_source, engine_kwargs or {})
+            self._load(model_source, engine_kwargs or {}, parsing_kwargs or {})
 
-    def _load(self, model_source: str, engine_kwargs: Mapping[str, Any]) -> None:
+    def _load(self, model_source: str, engine_kwargs: Mapping[str, Any], parsing: Mapping[str, Any]) -> None:
         """vLLM's render server's set-up: a model config and a renderer, no engine."""
         from vllm import AsyncEngineArgs
         from vllm.config import VllmConfig
@@ -214,9 +220,21 @@ class Preprocessor:
         structured = args.create_structured_outputs_config()
         config = VllmConfig(model_config=model_config, structured_outputs_config=structured)
         renderer = renderer_from_config(config)
+        auto_tools = bool(parsing.get("enable_auto_tool_choice", False))
         self.renderer = OnlineRenderer(
-            model_config, renderer, request_logger=None, chat_template=None, chat_template_content_format="auto"
+            model_config,
+            renderer,
+            request_logger=None,
+            chat_template=None,
+            chat_template_content_format="auto",
+            enable_auto_tools=auto_tools,
+            exclude_tools_when_tool_choice_none=bool(parsing.get("exclude_tools_when_tool_choice_none", False)),
+            tool_parser=parsing.get("tool_call_parser"),
+            reasoning_parser=engine_kwargs.get("reasoning_parser") or None,
+            tool_strict_level=parsing.get("tool_strict_level", "auto"),
         )
+        if self.renderer.parser is not None:
+            self.parsers = OutputParsers(self.renderer.parser, renderer.tokenizer, model_config, auto_tools)
         self.processor = InputProcessor(config, renderer)
         registry = OpenAIModelRegistry(model_config, [BaseModelPath(self.model_id, model_source)])
         self.tokenization = ServingTokenization(
@@ -258,6 +276,9 @@ class Preprocessor:
         # the client's request_id names the response, as in vLLM's server (Serve sets X-Request-Id on every request)
         response_id = request.request_id if "request_id" in request.model_fields_set else None
         options = ResponseOptions.of(request, response_id)
+        if self.parsers is not None and isinstance(request, ChatCompletionRequest):
+            template_kwargs = self.renderer.effective_chat_template_kwargs(request)
+            options = dataclasses.replace(options, parsing=self.parsers.for_request(request, template_kwargs))
         samples = 1 if request.n is None else request.n
         if samples < 1:
             raise RequestError(400, f"n: must be at least 1, got {samples}", "n")

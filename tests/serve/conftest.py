@@ -20,6 +20,7 @@ from tests import shared_ray
 
 MODEL = "deepseek-v2-lite"  # the emulated apps'
 CPU_MODEL = "tiny-llama"  # the vLLM CPU apps' (the shipped random-weight model)
+TOOL_CALLING = {"enable_auto_tool_choice": True, "tool_call_parser": "pythonic"}  # 2p2d-cpu.yaml's decode pool
 CPU_CONTEXT = 1024  # the vLLM CPU app's context: a request without max_tokens, which runs to its end, ends soon
 CONFIGS = Path(__file__).resolve().parents[2] / "serve_configs"
 

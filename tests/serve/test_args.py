@@ -142,7 +142,7 @@ def pools(**fields) -> dict:
         ({"model_loading_config": {"model_id": "m", "model_source": {"bucket_uri": "s3://b/m"}}}, "cloud mirrors"),
         ({"engine_kwargs": {"model": "other"}}, "model comes from model_loading_config"),
         ({"engine_kwargs": {"disable_log_stats": True}}, "Kairos needs vLLM's per-step stats"),
-        ({"engine_kwargs": {"enable_auto_tool_choice": True}}, r"\['enable_auto_tool_choice'\]: arguments of vLLM's"),
+        ({"engine_kwargs": {"response_role": "bot"}}, r"\['response_role'\]: arguments of vLLM's OpenAI server"),
         ({"engine_kwargs": {"no_such_argument": 1}}, "Unknown engine argument: no_such_argument"),
         ({"accelerator_type": "H999"}, "Unsupported accelerator type: H999"),
         ({"accelerator_type": "A100"}, "cannot be used with CPU-only configurations"),

@@ -48,6 +48,15 @@ pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
 MODEL = CPU_MODEL
 SHORT, LONG = 120, 300  # prompt words: deflected (241 tokens, <= 400) and disaggregated (601 tokens)
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+# the app's tool-call parser is pythonic (``conftest.TOOL_CALLING``): an answer held to such a call is one
+CALLING = {
+    "tools": TOOLS,
+    "tool_choice": "auto",
+    "structured_outputs": {"choice": ['[lookup(key="owl")]']},
+    "max_tokens": 48,  # the whole call, whatever other fields ask
+}
+CALLING_TWICE = {**CALLING, "structured_outputs": {"choice": ['[lookup(key="owl"), lookup(key="fox")]']}}
 CONTEXT = CPU_CONTEXT
 WORDS = [
     "the",
@@ -171,8 +180,11 @@ def test_chat_streams_through_the_chat_template(cpu_app, tokenizer):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300)
     messages = [{"role": "user", "content": prompt(30)}]
     chunks = list(client.chat.completions.create(messages=messages, **streamed(6)))
-    assert sum(1 for c in chunks if c.choices) == 6
+    # an event per token, but those the app's tool-call parser holds back (text that may open a call), as vLLM's
+    # server streams them
+    assert 1 <= sum(1 for c in chunks if c.choices) <= 6 and chunks[-2].choices[0].finish_reason == "length"
     (usage,) = [c.usage for c in chunks if c.usage is not None]
+    assert usage.completion_tokens == 6
     expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     assert usage.prompt_tokens == len(expected if isinstance(expected, list) else expected["input_ids"])
 
@@ -202,6 +214,7 @@ def answer(response: dict, chat: bool) -> dict:
     return {
         "id": response["id"],
         "text": choice["message"]["content"] if chat else choice["text"],
+        "tool_calls": calls_of(choice["message"]) if chat else [],
         "finish_reason": choice["finish_reason"],
         "stop_reason": choice.get("stop_reason"),
         "usage": {k: response["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
@@ -232,6 +245,7 @@ def streamed_answer(events: list[dict], chat: bool) -> dict:
     return {
         "id": events[0]["id"],
         "text": "".join((c["delta"].get("content") or "") if chat else c["text"] for c in choices),
+        "tool_calls": streamed_calls(choices) if chat else [],
         "finish_reason": choices[-1]["finish_reason"],
         "stop_reason": choices[-1].get("stop_reason"),
         "usage": usage and {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
@@ -242,6 +256,22 @@ def streamed_answer(events: list[dict], chat: bool) -> dict:
         "events": len(choices),
         "usage_events": sum(1 for e in events if e.get("usage")),
     }
+
+
+def calls_of(message: dict) -> list[tuple[str, str]]:
+    """A message's tool calls, (name, arguments) each (their ids are random)."""
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
+
+
+def streamed_calls(choices: list[dict]) -> list[tuple[str, str]]:
+    """A stream's tool calls, (name, arguments) each, from its deltas' pieces in index order."""
+    calls: dict[int, list[str]] = {}
+    for choice in choices:
+        for delta in choice["delta"].get("tool_calls") or []:
+            name, arguments = calls.setdefault(delta["index"], ["", ""])
+            function = delta.get("function") or {}
+            calls[delta["index"]] = [name + (function.get("name") or ""), arguments + (function.get("arguments") or "")]
+    return [(name, arguments) for _, (name, arguments) in sorted(calls.items())]
 
 
 @dataclasses.dataclass
@@ -295,7 +325,16 @@ def assert_logprobs_close(ours: Any, theirs: Any) -> None:
         assert mine == pytest.approx(vllm, abs=LOGPROB_TOLERANCE)
 
 
-COMPARED = ("text", "finish_reason", "stop_reason", "usage", "token_ids", "prompt_token_ids", "prompt_text")
+COMPARED = (
+    "text",
+    "tool_calls",
+    "finish_reason",
+    "stop_reason",
+    "usage",
+    "token_ids",
+    "prompt_token_ids",
+    "prompt_text",
+)
 
 
 def assert_same_answer(ours: Reply, theirs: Reply, keys: tuple[str, ...] = COMPARED) -> None:
@@ -355,6 +394,30 @@ DIFFERENTIAL: dict[str, Case] = {
     "max_tokens omitted": lambda ref: {"temperature": 0.0},
     "json_object": lambda ref: {"max_tokens": 24, "temperature": 0.0, "response_format": {"type": "json_object"}},
 }
+
+
+TOOL_CASES: dict[str, dict] = {
+    "auto": CALLING,
+    "auto, two calls": CALLING_TWICE,
+    "required": {"tools": TOOLS, "tool_choice": "required"},
+    "named": {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "lookup"}}},
+}
+
+
+@pytest.mark.parametrize("route, words", [("deflect", SHORT), ("prefill", LONG)])
+@pytest.mark.parametrize("case", list(TOOL_CASES))
+def test_tool_calls_equal_vllms_own_server_on_both_routes(cpu_app, vllm_server, case, route, words):
+    """The app's tool-call parser (pythonic) splits the same calls out of the same answer as vLLM's server, with
+    the same finish reason, streamed or not; a forced tool's arguments come from the schema it forces."""
+    url, _ = cpu_app
+    body = request_of(True, words, {"max_completion_tokens": 40, "temperature": 0.0}, TOOL_CASES[case])
+    for stream in (False, True):
+        ours, theirs = ask(url, True, body, stream), ask(vllm_server, True, body, stream)
+        assert ours.headers["x-kairos-route"] == route
+        assert_same_answer(ours, theirs)
+        if case.startswith("auto"):
+            assert [name for name, _ in ours.body["tool_calls"]] == ["lookup"] * (2 if "two" in case else 1)
+            assert ours.body["finish_reason"] == "tool_calls" and not ours.body["text"]
 
 
 @pytest.mark.parametrize("route, words", [("deflect", SHORT), ("prefill", LONG)])
@@ -488,7 +551,6 @@ SEEDED = {"temperature": 1.0, "seed": 3, "return_token_ids": True}  # most sampl
 BIASED = {**SEEDED, "logit_bias": {"332": 7}}
 # "prefill" is one token (332), " prefill" another (313): a bad word that bans the token forced here
 PREFILL_FORCED = {"logit_bias": {"332": 100}, "return_token_ids": True}
-TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -596,10 +658,13 @@ CHAT_ONLY: dict[str, Served] = {
     "add_special_tokens": Served(INERT, {"add_special_tokens": True}),  # this tokenizer adds none
     "max_completion_tokens": Served(HONOURED, {"max_completion_tokens": 4}),
     "tools": Served(HONOURED, {"tools": TOOLS, "tool_choice": "none"}),  # the template renders them
-    "tool_choice": Served(VLLM_REFUSES, {"tools": TOOLS, "tool_choice": "auto"}),  # no tool parser
+    # the answer held to a call (structured outputs): with "auto" a tool call, with "none" text
+    "tool_choice": Served(HONOURED, {**CALLING, "tool_choice": "auto"}, {**CALLING, "tool_choice": "none"}),
     "reasoning_effort": Served(INERT, {"reasoning_effort": "low"}),  # the template does not read it
     "include_reasoning": Served(INERT, {"include_reasoning": False}),  # no reasoning parser
-    "parallel_tool_calls": Served(INERT, {"parallel_tool_calls": False}),  # no tool parser
+    "parallel_tool_calls": Served(
+        HONOURED, {**CALLING_TWICE, "parallel_tool_calls": False}, CALLING_TWICE
+    ),  # the first call only
     "add_generation_prompt": Served(HONOURED, {"add_generation_prompt": False}),
     "continue_final_message": Served(
         HONOURED,
