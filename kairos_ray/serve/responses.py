@@ -323,15 +323,19 @@ def reasoning_tokens(writers: Sequence[ResponseWriter]) -> int | None:
 
 def batch_body(bodies: Sequence[dict[str, Any]], prompt_tokens: int) -> dict[str, Any]:
     """The body of a request of several choices (prompts, samples) from each choice's own
-    (``ResponseWriter.full``): the choices in order, usage summed (``prompt_tokens``: see ``prompt_tokens``);
-    each choice carries its own route (``kairos``), if shown."""
+    (``ResponseWriter.full``): the choices in order, usage summed (``prompt_tokens``: see ``prompt_tokens``;
+    reasoning tokens where counted); each choice carries its own route (``kairos``), if shown."""
     choices = []
     for body in bodies:
         (choice,) = body["choices"]
         choices.append({**choice, **({"kairos": body["kairos"]} if "kairos" in body else {})})
     completion_tokens = sum(body["usage"]["completion_tokens"] for body in bodies)
     first = {key: value for key, value in bodies[0].items() if key != "kairos"}
-    return {**first, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+    summed: dict[str, Any] = {**usage(prompt_tokens, completion_tokens)}
+    if "completion_tokens_details" in bodies[0]["usage"]:  # reasoning counted (``serve.parsing``)
+        thought = sum(body["usage"]["completion_tokens_details"]["reasoning_tokens"] for body in bodies)
+        summed["completion_tokens_details"] = {"reasoning_tokens": thought}
+    return {**first, "choices": choices, "usage": summed}
 
 
 def _bytes(token: str) -> list[int]:

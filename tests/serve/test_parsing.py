@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from kairos_ray.messages import TokenEvent
 from kairos_ray.serve.args import AppArgs
 from kairos_ray.serve.protocol import RequestError
-from kairos_ray.serve.responses import Exposure, ResponseWriter, reasoning_tokens
+from kairos_ray.serve.responses import Exposure, ResponseWriter, batch_body, reasoning_tokens
 from kairos_ray.serve.tokens import Preprocessor
 from tests.serve.conftest import CPU_CONTEXT, CPU_MODEL, TOOL_CALLING, cpu_args
 from tests.serve.test_ingress import DEFLECTED, events
@@ -164,7 +164,10 @@ def test_reasoning_is_split_out_and_counted(tokenizer):
     chunks = [c["choices"][0] for c in events([event for event in sent if event])]
     assert "".join(c["delta"].get("reasoning") or "" for c in chunks) == "cold front"
     assert "".join(c["delta"].get("content") or "" for c in chunks) == "sunny"
-    assert reasoning_tokens([writer]) == whole["usage"]["completion_tokens_details"]["reasoning_tokens"]
+    thought = whole["usage"]["completion_tokens_details"]["reasoning_tokens"]
+    assert reasoning_tokens([writer]) == thought
+    twice = batch_body([whole, whole], prompt_tokens=whole["usage"]["prompt_tokens"])  # n = 2: both choices count
+    assert twice["usage"]["completion_tokens_details"]["reasoning_tokens"] == 2 * thought
 
 
 @pytest.mark.parametrize(
