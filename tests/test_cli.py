@@ -24,6 +24,16 @@ def test_help_lists_the_commands():
         assert re.search(rf"^\s+{command}\s", result.stdout, re.M), command
 
 
+def test_the_parser_is_built_without_ray_or_vllm():
+    """``kairos --help`` and every command's arguments answer at once: the tools that need Ray or vLLM import
+    them when they run, not when the parser lists them."""
+    probe = "import sys; from kairos_ray.cli import build_parser; build_parser(); print(sorted(m for m in " \
+        "('ray', 'vllm', 'torch', 'sklearn') if m in sys.modules))"  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_demo_prints_one_decision_per_request():
     result = kairos("demo", "--requests", "6", "--seed", "3")
     assert result.returncode == 0, result.stderr
