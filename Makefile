@@ -20,8 +20,8 @@ demo: setup
 test: setup
 	.venv/bin/python -m pytest
 
-test-fast: setup  # the unit layer: no Ray cluster, no vLLM engine (tests/conftest.py)
-	.venv/bin/python -m pytest -m unit -q
+test-fast: setup  # the unit layer: no Ray cluster, no vLLM engine (tests/conftest.py), on two processes
+	.venv/bin/python -m pytest -m unit -q -n 2
 
 bench: setup
 	for n in 2 64 256 1024; do .venv/bin/python -m kairos_ray.bench.decision --decode-nodes $$n --json; done
