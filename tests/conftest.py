@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -43,3 +44,24 @@ def pytest_sessionfinish(session, exitstatus):
     from tests import shared_ray
 
     shared_ray.stop()
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Once every plugin has reported, leave with the session's status without finalizing the interpreter.
+
+    The in-process vLLM engines leave native threads (torch, tokenizers, gRPC from Ray's driver) that
+    Python's finalization can tear down under them: a run whose every test passed could still end in a
+    segmentation fault, and its exit status was the crash's, not the tests'. An xdist worker exits as
+    xdist says; ``pytest.main`` called from a test (none here) would not return.
+    """
+    status = config.stash.get(_EXIT_STATUS, None)
+    if status is None or hasattr(config, "workerinput"):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
