@@ -112,7 +112,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     setup = SimSetup.from_config(_config(args.config), args.profile, args.prefill, args.decode, args.seed)
     if args.admission:
         setup = setup.with_admission(AdmissionMode(args.admission))
-    setup = replace(setup, probe_every=args.probe_shed)
+    setup = replace(setup, probe_every=args.probe_shed, node_models=args.node_models == "own")
     if args.trace:
         trace = load_trace(args.trace).clipped_to_context(setup.hardware.context_tokens)
         if trace.clipped:
@@ -305,6 +305,18 @@ _priority_shares = _arg_type(
     "a comma-separated list of PRIORITY:WEIGHT",
     "weights must be >= 0, not all 0",
 )
+
+
+def _pool(text: str) -> object:
+    """``kairos sim``'s ``--prefill``/``--decode``: N, or N:PROFILE groups (``sim.run.parse_groups``)."""
+    from kairos_ray.sim.run import parse_groups
+
+    try:
+        return parse_groups(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 _ints = _arg_type(
     _numbers(int), lambda v: bool(v) and min(v) >= 0, "a comma-separated list of integers", "values must be >= 0"
 )
@@ -374,9 +386,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated policy specs, oracle included (default %(default)s)",
     )
     sim.add_argument("--requests", type=_positive_int, default=2000, metavar="N", help="requests per synthetic run")
-    sim.add_argument("--prefill", type=_positive_int, default=2, metavar="N", help="prefill nodes (2)")
-    sim.add_argument("--decode", type=_positive_int, default=2, metavar="N", help="decode nodes (2)")
+    sim.add_argument(
+        "--prefill",
+        type=_pool,
+        default=2,
+        metavar="N[:PROFILE],...",
+        help="prefill nodes: N of the profile, or groups N:PROFILE of a mixed fleet, e.g. 2:a100-deepseek-v2-lite (2)",
+    )
+    sim.add_argument(
+        "--decode",
+        type=_pool,
+        default=2,
+        metavar="N[:PROFILE],...",
+        help="decode nodes, as --prefill: e.g. 2:a100-deepseek-v2-lite,2:h100-deepseek-v2-lite (2)",
+    )
     sim.add_argument("--profile", metavar="FILE", help="step-latency profile (default: the config's)")
+    sim.add_argument(
+        "--node-models",
+        choices=("own", "pool"),
+        default="own",
+        help="price each node with its own group's profile (own), or every node with --profile's (pool): what a "
+        "router that knows one model per pool would decide (default %(default)s)",
+    )
     sim.add_argument("--no-plots", action="store_true", help="write the CSVs only, no PNG plots")
     sim.add_argument(
         "--admission",

@@ -57,7 +57,16 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from kairos_ray.core import BlockCache, BlockHash, Decision, DecodeNodeView, Guard, JoinGuard, PrefillNodeView
+from kairos_ray.core import (
+    BlockCache,
+    BlockHash,
+    Decision,
+    DecodeNodeView,
+    Guard,
+    JoinGuard,
+    PrefillNodeView,
+    StepLatency,
+)
 
 FINISH_WINDOW = 32
 """Finishes a decode node measures its finishing rate over: a few seconds of a busy node, so it follows bursts."""
@@ -163,13 +172,14 @@ class PrefillNode:
     busy: bool = False
     busy_s: float = 0.0
     num_cached: int = 0  # queued jobs with a cache hit (the view lists hits only when some are)
+    model: StepLatency | None = None  # its own step-latency model, shown in its view (None: its pool's)
 
     def view(self) -> PrefillNodeView:
         queued = [j.prompt_tokens - j.cached_tokens for j in self.queue]
         if queued:
             queued[0] -= self.done_tokens
         cached = tuple(j.cached_tokens for j in self.queue) if self.num_cached else ()
-        return PrefillNodeView(self.node_id, tuple(queued), self.done_tokens, cached)
+        return PrefillNodeView(self.node_id, tuple(queued), self.done_tokens, cached, self.model)
 
     def enqueue(self, job: Job) -> None:
         """Queue a job at the tail; with a cache, it takes its hit now (the blocks stay until its prefill ends)."""
@@ -237,6 +247,7 @@ class DecodeNode:
     record_durations: bool = True  # the simulator needs every step's duration for TBT; a server does not
     cache: BlockCache | None = None  # prefix cache of the node's KV (None: no prefix caching)
     join_guard: JoinGuard | None = None  # admission on: a hand-off joins only while the step with it fits beta * tau
+    model: StepLatency | None = None  # its own step-latency model, shown in its view (None: its pool's)
     running: int = 0
     kv_tokens: int = 0
     reserved_tokens: int = 0  # prompt + output of every admitted or deflected job not yet finished
@@ -255,6 +266,7 @@ class DecodeNode:
     num_cached: int = 0  # committed deflections with a cache hit (the view lists hits only when some are)
     num_incoming: int = 0  # assigned jobs not in the batch yet (on their way or in ``waiting``)
     incoming_kv_tokens: int = 0  # the KV they will reserve when they join: prompt and output
+    incoming_prompt_tokens: int = 0  # of that, their prompts (resident once they join)
     incoming_transfers: int = 0  # assigned jobs whose KV has not arrived yet
     incoming_transfer_tokens: int = 0  # the KV they send over the link: prompts less what their decisions saw held
     finish_rate: FinishRate = field(default_factory=FinishRate)
@@ -280,9 +292,11 @@ class DecodeNode:
             committed_cached_tokens=tuple(j.cached_tokens for j in self.deflections) if self.num_cached else (),
             incoming_requests=self.num_incoming,
             incoming_kv_tokens=self.incoming_kv_tokens,
+            incoming_prompt_tokens=self.incoming_prompt_tokens,
             incoming_transfers=self.incoming_transfers,
             incoming_transfer_tokens=self.incoming_transfer_tokens,
             finished_per_s=self.finish_rate.per_s,
+            model=self.model,
         )
 
     def deflect(self, job: Job) -> None:
@@ -327,6 +341,7 @@ class DecodeNode:
     def _count_incoming(self, job: Job, sign: int) -> None:
         self.num_incoming += sign
         self.incoming_kv_tokens += sign * (job.prompt_tokens + job.output_tokens)
+        self.incoming_prompt_tokens += sign * job.prompt_tokens
 
     def cancel(self, job: Job) -> None:
         """Drop a job: at once while it waits, at the end of the step in flight once it prefills or decodes."""

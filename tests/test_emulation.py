@@ -31,8 +31,8 @@ def test_a_32k_prompt_on_an_idle_node_gets_a_shrinking_schedule():
     candidates = PolicyParams().chunk_candidates
     at_70ms = tbt_safe_schedule(model, 0, 0, 32_768, candidates, 0.9 * 0.07)
     assert at_70ms is not None and len(set(at_70ms)) >= 2 and 2048 not in at_70ms
-    assert at_70ms[:4] == (1024, 1024, 1024, 512)  # the fourth 1024 would take 64.3 ms > 63 ms
-    # a 2048-token chunk fits from tau = 97 ms (its first step: 11 + 75.7 ms), then the schedule shrinks
+    assert at_70ms[:4] == (1024, 1024, 1024, 512)  # the fourth 1024 would take 67.7 ms > 63 ms
+    # a 2048-token chunk fits from tau = 100 ms (its first step: 14 + 75.7 ms), then the schedule shrinks
     at_100ms = tbt_safe_schedule(model, 0, 0, 32_768, candidates, 0.9 * 0.1)
     assert at_100ms is not None and at_100ms[:2] == (2048, 1024)
 
@@ -53,29 +53,29 @@ def test_ground_truth_has_tiles_and_crowding_and_the_shipped_predictor_knows_the
 
 
 def test_a_deflected_chunk_the_linear_model_let_through_is_now_priced_over_the_budget():
-    """A step of the multiturn run at 14 req/s: a 129-token suffix chunk, 6,000 tokens of cached history, on a
-    decode node with 125 requests and 600K KV tokens. In ms:
+    """A loaded step: a 129-token suffix chunk, 6,000 tokens of cached history, on a decode node with 119
+    requests and 600K KV tokens. In ms:
 
-        c0 11 + c_batch * B 27.5 + c_kv * K 13.332 + chi^2 0.0501 + chi * P 4.6641
+        c0 14 + c_batch * B 26.775 + c_kv * K 13.332 + chi^2 0.0501 + chi * P 4.6641
         + c_chunk * chi: 129 tokens 3.9693 (linear), 256 tokens 7.8771 (two tiles)
-        + c_batch_sq * B^2: 0 (linear), 6.7139 (crowding)
+        + c_batch_sq * B^2: 0 (linear), 6.2231 (crowding)
     """
     model = StepLatencyModel.load(SHIPPED)
     linear = replace(model, c_batch_sq=0.0, tile_tokens=1)
     params = PolicyParams()
     assert params.tbt_budget_s == pytest.approx(0.063)  # beta * tau
-    step = (125, 600_000, 129, 6000)
-    assert linear.step_s(*step) == pytest.approx(0.0605156, abs=1e-6)  # within the budget: the guard let it run
-    assert model.step_s(*step) == pytest.approx(0.0711373, abs=1e-6)  # over it
+    step = (119, 600_000, 129, 6000)
+    assert linear.step_s(*step) == pytest.approx(0.0627906, abs=1e-6)  # within the budget: the guard let it run
+    assert model.step_s(*step) == pytest.approx(0.0729215, abs=1e-6)  # over it
     truth = GroundTruth(model, ClusterHardware.from_profile(SHIPPED))
     assert truth.step_s(*step) == pytest.approx(model.step_s(*step))  # what the simulated engine takes
-    assert chunk_guard(linear, params)(125, 600_000, 129, 6000) == 129
-    # 64 tokens would still take 11 + 27.5 + 6.7139 + 13.332 + 3.9386 + 0.0123 + 2.3140 = 64.8 ms: nothing fits
-    assert chunk_guard(model, params)(125, 600_000, 129, 6000) == 0
-    # with 100 requests (crowding 4.2969) the decode part is 50.6289 ms; the planned 129 tokens pay two tiles,
-    # 50.6289 + 7.8771 + 0.0501 + 4.6641 = 63.2 ms, one token fewer pays one: 50.6289 + 3.9386 + 0.0494 + 4.6280
-    assert model.step_s(100, 600_000, 129, 6000) == pytest.approx(0.0632202, abs=1e-6)
-    assert model.step_s(100, 600_000, 128, 6000) == pytest.approx(0.0592448, abs=1e-6)
+    assert chunk_guard(linear, params)(*step) == 129
+    # 64 tokens would still take 14 + 26.775 + 6.2231 + 13.332 + 3.9386 + 0.0123 + 2.3140 = 66.6 ms: nothing fits
+    assert chunk_guard(model, params)(*step) == 0
+    # with 100 requests (crowding 4.3945) the decode part is 54.2265 ms; the planned 129 tokens pay two tiles,
+    # 54.2265 + 7.8771 + 0.0501 + 4.6641 = 66.8 ms, one token fewer pays one: 54.2265 + 3.9386 + 0.0494 + 4.6280
+    assert model.step_s(100, 600_000, 129, 6000) == pytest.approx(0.0668179, abs=1e-6)
+    assert model.step_s(100, 600_000, 128, 6000) == pytest.approx(0.0628424, abs=1e-6)
     assert chunk_guard(model, params)(100, 600_000, 129, 6000) == 128
     assert chunk_guard(linear, params)(100, 600_000, 129, 6000) == 129
 

@@ -98,7 +98,7 @@ def run(
         for i, case in enumerate(cases):
             start = time.perf_counter_ns()
             current = case.view or with_nodes(view, case.reports) or view
-            decision = policy.decide(case.tokens, current, case.hits)
+            decision = policy.decide(case.tokens, current, case.hits, output_tokens=OUTPUT_TOKENS)
             view = current if cold else apply_decision(current, case.tokens, decision, OUTPUT_TOKENS)
             timings_ns[i] = min(timings_ns[i], time.perf_counter_ns() - start)
             deflected += decision.deflected

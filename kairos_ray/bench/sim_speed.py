@@ -38,7 +38,7 @@ def run(trace: Path, policy: str, sizes: Sequence[int], repeats: int) -> list[Ro
     base = load_trace(trace)
     rows: list[Row] = []
     for size in sizes:
-        setup = SimSetup.from_config(KairosConfig(), num_prefill=size, num_decode=size)
+        setup = SimSetup.from_config(KairosConfig(), prefill=size, decode=size)
         workload = base.scaled_to_rate(base.rate_rps * size / 2)
         walls, events = [], 0
         for _ in range(repeats):

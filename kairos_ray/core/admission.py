@@ -11,7 +11,7 @@ node d the prefill path's estimate (Eq. 1-2) carried on to its first token:
 
     R = max(TTFT_pf(r), W_kv(r, d))                                     its KV can leave
     TTFT_hand-off(r, d) = max(R + min(1, W_link / R) * W_link / J_d, W_link)    its transfer starts
-                          + T_kv(r, d) + T_step(B_d + I_d + 1, K_d + I_kv + l_r, 0)
+                          + T_kv(r, d) + T_step(B_d + I_d + 1, K_d + I_p + l_r, 0)
 
 Its KV waits W_kv for d to take it (below). d's link first carries the J_d
 transfers still bound there, W_link seconds of them (what d lacks of their
@@ -20,7 +20,7 @@ and when they fit before R, r still finds the link busy a share
 rho = W_link / R of the time and then waits about one of them (W_link / J_d),
 the first-order queueing delay a fluid bound misses. Then its own transfer
 T_kv (setup plus what d lacks of its prompt), and one decode step in d's batch
-with the I_d hand-offs bound there (I_kv tokens of KV). With admission on a
+with the I_d hand-offs bound there joined (their prompts, I_p tokens, resident). With admission on a
 hand-off goes to the decode node where this is least, and ``kairos`` deflects
 whenever the decode path alone is in time, so a request is shed only when no
 route is. The prefill FIFO and a node's committed deflections run in arrival
@@ -137,7 +137,7 @@ def handoff_ttft_s(
             link_s = (node.incoming_transfer_tokens + setup_tokens * transfers) / tokens_per_s
             busy = min(1.0, link_s / ready_s) if ready_s > 0 else 1.0
             start_s = max(ready_s + busy * link_s / transfers, link_s)
-    batch_size, kv_tokens = node.batch_size + node.incoming_requests, node.kv_tokens + node.incoming_kv_tokens
+    batch_size, kv_tokens = node.batch_size + node.incoming_requests, node.kv_tokens + node.incoming_prompt_tokens
     first_step_s = model.step_s(batch_size + 1, kv_tokens + prompt_tokens, 0)
     return start_s + transfer_s + first_step_s
 
@@ -164,16 +164,17 @@ def handoff_fits(
     budget_s: float,
     held_tokens: int = 0,
     with_deflection: bool = False,
+    output_tokens: int = 0,
 ) -> bool:
-    """Whether ``node`` can take a hand-off now: KV room for its prompt once the hand-offs bound there have
-    joined (``held_tokens`` of it are there already), and a decode step with them and it joined within beta * tau;
-    ``with_deflection`` (decode-side protection): that step carrying the next chunk of the deflection the node
-    is prefilling, as it will.
+    """Whether ``node`` can take a hand-off now: KV room for its prompt and ``output_tokens`` once the hand-offs
+    bound there have joined with theirs (``held_tokens`` of the prompt are there already), and a decode step with
+    them and it joined, their prompts resident, within beta * tau; ``with_deflection`` (decode-side protection):
+    that step carrying the next chunk of the deflection the node is prefilling, as it will.
     """
     room = node.headroom_kv_tokens - node.incoming_kv_tokens + held_tokens
-    if room < prompt_tokens:
+    if room < prompt_tokens + output_tokens:
         return False
-    batch_size, kv_tokens = node.batch_size + node.incoming_requests, node.kv_tokens + node.incoming_kv_tokens
+    batch_size, kv_tokens = node.batch_size + node.incoming_requests, node.kv_tokens + node.incoming_prompt_tokens
     chunk = prefix = 0
     if with_deflection and node.committed:
         hit = node.committed_cached_tokens[0] if node.committed_cached_tokens else 0
@@ -184,7 +185,12 @@ def handoff_fits(
 
 
 def kv_wait_s(
-    model: StepLatency, node: DecodeNodeView, prompt_tokens: int, budget_s: float, held_tokens: int = 0
+    model: StepLatency,
+    node: DecodeNodeView,
+    prompt_tokens: int,
+    budget_s: float,
+    held_tokens: int = 0,
+    output_tokens: int = 0,
 ) -> float:
     """W_kv: estimated wait of a hand-off's KV for ``node`` to take it (0 when it can now; ``handoff_fits``).
 
@@ -195,12 +201,12 @@ def kv_wait_s(
     (e + 1) / f and standard deviation sqrt(e + 1) / f; W_kv is its mean plus ``KV_WAIT_SIGMAS`` of
     those. Without a measured rate there is no estimate: inf.
     """
-    if handoff_fits(model, node, prompt_tokens, budget_s, held_tokens, with_deflection=True):
+    if handoff_fits(model, node, prompt_tokens, budget_s, held_tokens, True, output_tokens):
         return 0.0
     if node.finished_per_s <= 0:
         return math.inf
     batch_size = node.batch_size + node.incoming_requests
-    ahead = _excess(model, batch_size, node.kv_tokens + node.incoming_kv_tokens, budget_s) if batch_size else 0
+    ahead = _excess(model, batch_size, node.kv_tokens + node.incoming_prompt_tokens, budget_s) if batch_size else 0
     return (ahead + 1 + KV_WAIT_SIGMAS * math.sqrt(ahead + 1)) / node.finished_per_s
 
 

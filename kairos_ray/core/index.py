@@ -35,13 +35,16 @@ so among nodes that hold none of the prompt the fastest is the one with the
 least wait: the list sorted by it answers at its head.
 
 Hand-off target. Without admission the ranking key (``core.policy``) is the
-tokens bound for the node's link plus the request's own: the first node in
-that order that can take the hand-off wins. With admission, its estimate
-(``core.admission.handoff_ttft_s``) is at least TTFT_pf + T_kv + T0(B + I + 1,
-K + I_kv + l), so the nodes are read in order of T0's node part.
+tokens the node's link still has to carry, each transfer's setup counted,
+plus the request's own: the first node in that order that can take the
+hand-off wins. With admission, its estimate (``core.admission.handoff_ttft_s``)
+is at least TTFT_pf + T_kv + T0(B + I + 1, K + I_p + l), so the nodes are read
+in order of T0's node part.
 
 A model with a negative coefficient (a refit can produce one) has no such
-bounds: every node is priced, as when ``prune`` is off.
+bounds: every node is priced, as when ``prune`` is off. So is a pool in which
+some node carries a model of its own (``DecodeNodeView.model``): the bounds
+hold per model, and the index keeps one.
 """
 
 from __future__ import annotations
@@ -181,6 +184,12 @@ def idle_slope(model: StepLatencyModel, prompt_tokens: int, candidates: Sequence
     return max(k for k in WEIGHTS if k <= fewest)
 
 
+def link_tokens(node: DecodeNodeView, setup_tokens: int) -> int:
+    """Tokens ``node``'s link has still to carry before a new hand-off's: what it lacks of the prompts in transfer
+    to it, and each transfer's setup (``setup_tokens``, in tokens' worth of the link)."""
+    return node.incoming_transfer_tokens + setup_tokens * node.incoming_transfers
+
+
 def planned_beside(
     model: StepLatency, node: DecodeNodeView, protect: bool, walks: QueueWalks | None
 ) -> tuple[float, int, int]:
@@ -188,7 +197,7 @@ def planned_beside(
     behind them), and under decode-side protection (``core.admission``) with the hand-offs bound there joined."""
     wait_s, batch_size, kv_tokens = after_committed(model, node, walks)
     if protect:
-        batch_size, kv_tokens = batch_size + node.incoming_requests, kv_tokens + node.incoming_kv_tokens
+        batch_size, kv_tokens = batch_size + node.incoming_requests, kv_tokens + node.incoming_prompt_tokens
     return wait_s, batch_size, kv_tokens
 
 
@@ -228,7 +237,7 @@ class DecodeEntry:
     batch_size: int  # B a deflection is planned beside (the bound hand-offs joined under protection)
     kv_tokens: int  # K likewise
     batch_s: float  # f(B)
-    first_step_s: float  # a hand-off's first step, less c0 and c_kv l: f(B + I + 1) + c_kv (K + I_kv)
+    first_step_s: float  # a hand-off's first step, less c0 and c_kv l: f(B + I + 1) + c_kv (K + I_p)
     link: tuple[int, int, int]  # the hand-off ranking less the request: (link tokens, hand-offs, -headroom)
 
 
@@ -243,6 +252,7 @@ def twin_key(node: DecodeNodeView) -> tuple[object, ...]:
         node.committed_cached_tokens,
         node.incoming_requests,
         node.incoming_kv_tokens,
+        node.incoming_prompt_tokens,
         node.incoming_transfers,
         node.incoming_transfer_tokens,
         node.finished_per_s,
@@ -307,10 +317,15 @@ class Groups:
 class _Index:
     """The node views last indexed, by position, and where each node id sits."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: StepLatency) -> None:
+        self.model = model  # the pool's: what the index prices with
         self.nodes: tuple[PrefillNodeView, ...] | tuple[DecodeNodeView, ...] | None = None
         self.ready = False  # built for ``nodes``
         self.positions: dict[str, int] = {}
+        self.foreign = 0  # indexed nodes carrying a model other than the pool's: while any do, it cannot answer
+
+    def _foreign(self, node: PrefillNodeView | DecodeNodeView) -> int:
+        return int(node.model is not None and node.model != self.model)
 
     def _plan(self, nodes: tuple[PrefillNodeView, ...] | tuple[DecodeNodeView, ...]) -> tuple[bool, list[int] | None]:
         """(whether the index can answer for ``nodes``, the positions to update: None to build it whole).
@@ -333,10 +348,12 @@ class _Index:
             return False, None
         if not self.ready:
             self.positions = {node.node_id: i for i, node in enumerate(views)}
+            self.foreign = sum(map(self._foreign, views))
             self.ready = True
             return True, None
         for i in changed:
             old, new = before[i], views[i]
+            self.foreign += self._foreign(new) - self._foreign(old)
             if old.node_id != new.node_id:
                 if self.positions.get(old.node_id) == i:
                     del self.positions[old.node_id]
@@ -359,8 +376,9 @@ class DecodeIndex(_Index):
     hand-offs grouped as twins and sorted by a hand-off's first step and by its link ranking."""
 
     def __init__(self, model: StepLatencyModel, protect: bool, setup_tokens: int, walks: QueueWalks) -> None:
-        super().__init__()
-        self.model, self.protect, self.setup_tokens, self.walks = model, protect, setup_tokens, walks
+        super().__init__(model)
+        self.model: StepLatencyModel = model
+        self.protect, self.setup_tokens, self.walks = protect, setup_tokens, walks
         self.entries: list[DecodeEntry] = []
         self.plans = Groups(lambda e: (e.wait_s, e.batch_size, e.kv_tokens), self._plan_keys)
         self.twins = Groups(lambda e: twin_key(e.node), lambda e: ((e.first_step_s,), e.link))
@@ -375,17 +393,13 @@ class DecodeIndex(_Index):
         model = self.model
         wait_s, batch_size, kv_tokens = planned_beside(model, node, self.protect, self.walks)
         joined = node.batch_size + node.incoming_requests + 1
-        first_step_s = batch_cost_s(model, joined) + model.c_kv * (node.kv_tokens + node.incoming_kv_tokens)
-        link = (
-            node.incoming_kv_tokens + self.setup_tokens * node.incoming_requests,
-            node.incoming_requests,
-            -node.headroom_kv_tokens,
-        )
+        first_step_s = batch_cost_s(model, joined) + model.c_kv * (node.kv_tokens + node.incoming_prompt_tokens)
+        link = (link_tokens(node, self.setup_tokens), node.incoming_requests, -node.headroom_kv_tokens)
         return DecodeEntry(node, wait_s, batch_size, kv_tokens, batch_cost_s(model, batch_size), first_step_s, link)
 
     def sync(self, nodes: tuple[DecodeNodeView, ...]) -> bool:
         """Bring the index to ``nodes`` (O(changed nodes x log of the fleet)); False: price them node by node
-        (``_plan``)."""
+        (``_plan``, or a node with a model of its own)."""
         usable, changed = self._plan(nodes)
         if not usable:
             return False
@@ -396,7 +410,7 @@ class DecodeIndex(_Index):
             for i, entry in enumerate(self.entries):
                 self.plans.join(i, entry)
                 self.twins.join(i, entry)
-            return True
+            return not self.foreign
         for i in changed:
             old, new = self.entries[i], self.entry(nodes[i])
             self.entries[i] = new
@@ -404,15 +418,15 @@ class DecodeIndex(_Index):
             self.twins.leave(i, old)
             self.plans.join(i, new)
             self.twins.join(i, new)
-        return True
+        return not self.foreign
 
 
 class PrefillIndex(_Index):
     """A policy's prefill nodes sorted by their queue wait (Eq. 2 or the walked FIFO)."""
 
     def __init__(self, model: StepLatency, queue_wait: QueueTTFT, chunk_tokens: int, walks: QueueWalks) -> None:
-        super().__init__()
-        self.model, self.queue_wait, self.chunk_tokens, self.walks = model, queue_wait, chunk_tokens, walks
+        super().__init__(model)
+        self.queue_wait, self.chunk_tokens, self.walks = queue_wait, chunk_tokens, walks
         self.waits: list[float] = []
         self.by_wait: SortedPairs[float] = SortedPairs([])
 
@@ -425,9 +439,9 @@ class PrefillIndex(_Index):
         if changed is None:
             self.waits = [wait(self.model, node, self.chunk_tokens, self.walks) for node in nodes]
             self.by_wait = SortedPairs([(w, i) for i, w in enumerate(self.waits)])
-            return True
+            return not self.foreign
         for i in changed:
             self.by_wait.remove(self.waits[i], i)
             self.waits[i] = wait(self.model, nodes[i], self.chunk_tokens, self.walks)
             self.by_wait.add(self.waits[i], i)
-        return True
+        return not self.foreign

@@ -1,4 +1,4 @@
-"""Routing policies behind one interface, ``decide(prompt_tokens, view, hits, priority) -> Decision``.
+"""Routing policies behind one interface, ``decide(prompt_tokens, view, hits, priority, output_tokens) -> Decision``.
 
 - ``kairos``: Algorithm 1. Estimate TTFT on the best prefill node (Eq. 1-2);
   for every decode node with KV room, build the LargestSafe schedule (Eq. 5)
@@ -85,6 +85,7 @@ from kairos_ray.core.index import (
     bounded,
     deflection_bound_s,
     idle_slope,
+    link_tokens,
     planned_beside,
 )
 from kairos_ray.core.latency import StepLatency, StepLatencyModel
@@ -140,18 +141,27 @@ class Policy(Protocol):
     decides_with_ground_truth: bool  # the caller must pass the emulator's ground truth as the model
 
     def decide(
-        self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None = None, priority: int = 0
+        self,
+        prompt_tokens: int,
+        view: ClusterView,
+        hits: PrefixHits | None = None,
+        priority: int = 0,
+        output_tokens: int = 0,
     ) -> Decision:
         """Route one request of ``prompt_tokens`` tokens given the current view and, if known, its prefix hits;
-        with admission on, admit or shed it by its ``priority`` (vLLM's: lower is more important)."""
+        with admission on, admit or shed it by its ``priority`` (vLLM's: lower is more important). Where it
+        decodes it reserves KV for ``output_tokens`` too (the simulator's known lengths, the live app's
+        ``max_tokens``): only nodes with room for both take it."""
         ...
 
-    def chunk_guard(self) -> Guard | None:
-        """The run-time chunk check decode nodes apply under this policy, or None (``guards_chunks`` false)."""
+    def chunk_guard(self, model: StepLatency | None = None) -> Guard | None:
+        """The run-time chunk check decode nodes apply under this policy, or None (``guards_chunks`` false);
+        ``model``: the node's own step-latency model (default: the pool's, ``decode_model``)."""
         ...
 
-    def join_guard(self) -> JoinGuard | None:
-        """The check a decode node applies before a hand-off joins its batch, or None (admission off)."""
+    def join_guard(self, model: StepLatency | None = None) -> JoinGuard | None:
+        """The check a decode node applies before a hand-off joins its batch, or None (admission off); ``model``
+        as for ``chunk_guard``."""
         ...
 
 
@@ -184,8 +194,8 @@ class _DecodeOption:
     cached_tokens: int  # prompt tokens the node's cache holds (as priced)
 
 
-Planner = Callable[[int, int, float, int], "tuple[Runs, float] | None"]
-"""(B, K, limit_s, cached prompt tokens) -> (runs of the uncached suffix, Eq. 6 seconds),
+Planner = Callable[[StepLatency, int, int, float, int], "tuple[Runs, float] | None"]
+"""(the node's model, B, K, limit_s, cached prompt tokens) -> (runs of the uncached suffix, Eq. 6 seconds),
 or None if infeasible or slower than limit_s."""
 
 
@@ -235,10 +245,17 @@ class _BasePolicy:
         """Take the spec's argument; policies without one have nothing to take."""
 
     def decide(
-        self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None = None, priority: int = 0
+        self,
+        prompt_tokens: int,
+        view: ClusterView,
+        hits: PrefixHits | None = None,
+        priority: int = 0,
+        output_tokens: int = 0,
     ) -> Decision:
         if prompt_tokens < 1:
             raise ValueError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
+        if output_tokens < 0:
+            raise ValueError(f"output_tokens must be >= 0, got {output_tokens}")
         if not view.prefill or not view.decode:
             raise ValueError(
                 f"cluster view needs at least one prefill and one decode node, "
@@ -248,7 +265,9 @@ class _BasePolicy:
             hits = hits.within(prompt_tokens)
         admission = self.params.admission
         in_time_s = admission.threshold_s(priority) if admission.on else math.inf
-        decision = self._decide(prompt_tokens, view, hits if self.params.prefix_aware else None, in_time_s)
+        decision = self._decide(
+            prompt_tokens, output_tokens, view, hits if self.params.prefix_aware else None, in_time_s
+        )
         if hits is not None and decision.route is Route.PREFILL and decision.decode_node is not None:
             # the hand-off leaves out what its decode node holds, whether or not the estimates priced it
             held = hits.at(decision.decode_node)
@@ -258,18 +277,28 @@ class _BasePolicy:
             decision = replace(decision, admission=judge(admission, decision, priority))
         return decision
 
-    def _decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None, in_time_s: float) -> Decision:
-        """Decide with ``hits`` None when cache-blind; ``in_time_s``: the estimate admission admits up to
-        (inf when admission is off)."""
+    def _decide(
+        self, prompt_tokens: int, output_tokens: int, view: ClusterView, hits: PrefixHits | None, in_time_s: float
+    ) -> Decision:
+        """Decide with ``hits`` None when cache-blind; ``output_tokens``: the KV the request reserves where it decodes
+        besides its prompt; ``in_time_s``: the estimate admission admits up to (inf when admission is off)."""
         raise NotImplementedError
 
-    def chunk_guard(self) -> Guard | None:
-        return chunk_guard(self.decode_model, self.params) if self.guards_chunks else None
+    def chunk_guard(self, model: StepLatency | None = None) -> Guard | None:
+        return chunk_guard(model or self.decode_model, self.params) if self.guards_chunks else None
 
-    def join_guard(self) -> JoinGuard | None:
-        return join_guard(self.decode_model, self.params.tbt_budget_s) if self.params.admission.on else None
+    def join_guard(self, model: StepLatency | None = None) -> JoinGuard | None:
+        if not self.params.admission.on:
+            return None
+        return join_guard(model or self.decode_model, self.params.tbt_budget_s)
 
-    def _best_prefill(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> _PrefillOption:
+    def _decode_model(self, node: DecodeNodeView) -> StepLatency:
+        """The model ``node`` is priced with: its own, else its pool's."""
+        return node.model or self.decode_model
+
+    def _best_prefill(
+        self, prompt_tokens: int, output_tokens: int, view: ClusterView, hits: PrefixHits | None
+    ) -> _PrefillOption:
         """Prefill node with the least estimated TTFT for this request (Eq. 1); with admission on, carried on to
         the first token on its hand-off target: its KV's wait, its transfer, a decode step
         (``core.admission.handoff_ttft_s``). Ties go to the node first in the view."""
@@ -281,7 +310,9 @@ class _BasePolicy:
         else:
             best, best_s, best_cached = self._indexed_prefill(prompt_tokens, view, hits, index)
         option = _PrefillOption(best, best_s, best_cached, 0.0, None)
-        return self._earliest_handoff(prompt_tokens, view, hits, option) if self.params.admission.on else option
+        if not self.params.admission.on:
+            return option
+        return self._earliest_handoff(prompt_tokens, output_tokens, view, hits, option)
 
     def _indexed_decode(self, view: ClusterView) -> DecodeIndex | None:
         """The decode index brought to ``view``, or None where its nodes are priced one by one (``core.index``:
@@ -299,7 +330,8 @@ class _BasePolicy:
         best, best_s, best_cached = view.prefill[0], math.inf, 0
         for node in view.prefill:
             cached = hits.at(node.node_id) if hits else 0
-            seconds = self._estimate(self.prefill_model, node, prompt_tokens, chunk, cached, self._prefill_walks)
+            model = node.model or self.prefill_model
+            seconds = self._estimate(model, node, prompt_tokens, chunk, cached, self._prefill_walks)
             if seconds < best_s:
                 best, best_s, best_cached = node, seconds, cached
         return best, best_s, best_cached
@@ -328,7 +360,12 @@ class _BasePolicy:
         return view.prefill[best], best_s, best_cached
 
     def _earliest_handoff(
-        self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None, prefill: _PrefillOption
+        self,
+        prompt_tokens: int,
+        output_tokens: int,
+        view: ClusterView,
+        hits: PrefixHits | None,
+        prefill: _PrefillOption,
     ) -> _PrefillOption:
         """With admission on: ``prefill`` carried on to the decode node where the hand-off's estimated first token
         comes first (``core.admission.handoff_ttft_s``, its KV's wait for that node included); ties go to the
@@ -336,14 +373,15 @@ class _BasePolicy:
         index = self._indexed_decode(view)
         if index is not None:
             held = index.held(hits.tokens_by_node if hits else None)
-        params, model = self.params, self.decode_model
+        params = self.params
         budget_s, setup, rate = params.tbt_budget_s, params.handoff_setup_tokens, params.handoff_tokens_per_s
         best, best_at = prefill, -1
 
         def price(position: int, tokens_held: int) -> None:
             nonlocal best, best_at
             node = view.decode[position]
-            wait_s = kv_wait_s(model, node, prompt_tokens, budget_s, tokens_held)
+            model = self._decode_model(node)
+            wait_s = kv_wait_s(model, node, prompt_tokens, budget_s, tokens_held, output_tokens)
             seconds = handoff_ttft_s(model, node, prefill.ttft_s, wait_s, prompt_tokens, tokens_held, setup, rate)
             if best.target is None or (seconds, position) < (best.ttft_s, best_at):
                 best, best_at = replace(prefill, ttft_s=seconds, kv_wait_s=wait_s, target=node), position
@@ -354,7 +392,7 @@ class _BasePolicy:
             return best
         for position, tokens_held in held.items():
             price(position, tokens_held)
-        assert isinstance(model, StepLatencyModel)  # bounded() holds for an indexed model
+        model = index.model
         transfer_s = (setup + prompt_tokens) / rate if rate > 0 else 0.0
         floor_s = prefill.ttft_s + transfer_s + model.c0 + model.c_kv * prompt_tokens
         by_first_step = index.twins.lists[0]
@@ -367,20 +405,26 @@ class _BasePolicy:
         return best
 
     def _fastest_deflection(
-        self, prompt_tokens: int, view: ClusterView, plan: Planner, hits: PrefixHits | None, prunable: bool = False
+        self,
+        prompt_tokens: int,
+        output_tokens: int,
+        view: ClusterView,
+        plan: Planner,
+        hits: PrefixHits | None,
+        prunable: bool = False,
     ) -> tuple[_DecodeOption | None, int, int]:
         """Fastest decode option under ``plan`` (ties: the node first in the view); also counts the nodes short of
         KV and the infeasible ones, exact when no node is feasible. ``prunable``: ``plan`` is Eq. 5's sweep,
         whose times ``core.index`` bounds."""
         index = self._indexed_decode(view) if prunable else None
         if index is None:
-            return self._deflection_over(prompt_tokens, view, plan, hits)
-        found = self._deflection_pruned(prompt_tokens, plan, hits, index)
+            return self._deflection_over(prompt_tokens, output_tokens, view, plan, hits)
+        found = self._deflection_pruned(prompt_tokens, output_tokens, plan, hits, index)
         # no node feasible: every node counted, for the reason's counts (the pruned search counts twins once)
-        return found if found[0] is not None else self._deflection_over(prompt_tokens, view, plan, hits)
+        return found if found[0] is not None else self._deflection_over(prompt_tokens, output_tokens, view, plan, hits)
 
     def _deflection_over(
-        self, prompt_tokens: int, view: ClusterView, plan: Planner, hits: PrefixHits | None
+        self, prompt_tokens: int, output_tokens: int, view: ClusterView, plan: Planner, hits: PrefixHits | None
     ) -> tuple[_DecodeOption | None, int, int]:
         """``_fastest_deflection`` pricing every node, in view order."""
         best: _DecodeOption | None = None
@@ -388,17 +432,18 @@ class _BasePolicy:
         protect, budget_s = self.params.admission.on, self.params.tbt_budget_s
         for node in view.decode:
             cached = hits.at(node.node_id) if hits else 0
-            if node.headroom_kv_tokens < prompt_tokens - cached:
+            if node.headroom_kv_tokens < prompt_tokens - cached + output_tokens:
                 lacking_kv += 1
                 continue
-            wait_s, batch_size, kv_tokens = planned_beside(self.decode_model, node, protect, self._decode_walks)
-            if protect and not joined_step_fits(self.decode_model, batch_size, kv_tokens, prompt_tokens, budget_s):
+            model = self._decode_model(node)
+            wait_s, batch_size, kv_tokens = planned_beside(model, node, protect, self._decode_walks)
+            if protect and not joined_step_fits(model, batch_size, kv_tokens, prompt_tokens, budget_s):
                 infeasible += 1
                 continue
             limit_s = math.inf if best is None else best.ttft_s - wait_s
             if limit_s <= 0.0:
                 continue  # already slower than the best before its own first step
-            found = plan(batch_size, kv_tokens, limit_s, cached)
+            found = plan(model, batch_size, kv_tokens, limit_s, cached)
             if found is None:
                 # Only exact while no node is feasible yet, which is when the count is reported.
                 infeasible += 1
@@ -409,7 +454,7 @@ class _BasePolicy:
         return best, lacking_kv, infeasible
 
     def _deflection_pruned(
-        self, prompt_tokens: int, plan: Planner, hits: PrefixHits | None, index: DecodeIndex
+        self, prompt_tokens: int, output_tokens: int, plan: Planner, hits: PrefixHits | None, index: DecodeIndex
     ) -> tuple[_DecodeOption | None, int, int]:
         """``_fastest_deflection`` over the index's groups in order of their bound (``core.index``); the counts
         are not kept (returned 0)."""
@@ -424,7 +469,7 @@ class _BasePolicy:
         def price(position: int, cached: int) -> None:
             nonlocal best, best_at
             entry = index.entries[position]
-            if entry.node.headroom_kv_tokens < prompt_tokens - cached:
+            if entry.node.headroom_kv_tokens < prompt_tokens - cached + output_tokens:
                 return
             wait_s, batch_size, kv_tokens = entry.wait_s, entry.batch_size, entry.kv_tokens
             if protect and not joined_step_fits(model, batch_size, kv_tokens, prompt_tokens, budget_s):
@@ -441,7 +486,7 @@ class _BasePolicy:
                         return
             else:
                 limit_s = math.inf
-            found = plan(batch_size, kv_tokens, limit_s, cached)
+            found = plan(model, batch_size, kv_tokens, limit_s, cached)
             if found is None:
                 return
             runs, seconds = found
@@ -455,7 +500,7 @@ class _BasePolicy:
         entries = index.entries
 
         def has_room(position: int) -> bool:
-            return entries[position].node.headroom_kv_tokens >= prompt_tokens
+            return entries[position].node.headroom_kv_tokens >= prompt_tokens + output_tokens
 
         # LB >= LB(idle) + W + k (T0 - c0) (core.index): the nodes in that order, until it passes the best
         slope = idle_slope(model, prompt_tokens, candidates, budget_s)
@@ -468,36 +513,45 @@ class _BasePolicy:
                 price(first, 0)
         return best, 0, 0
 
-    def _handoff_target(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> DecodeNodeView:
+    def _handoff_target(
+        self, prompt_tokens: int, output_tokens: int, view: ClusterView, hits: PrefixHits | None
+    ) -> DecodeNodeView:
         """Decode node for a disaggregated request: the one its KV reaches first, among those that can take it.
 
-        Its KV reaches a node after the hand-offs already bound there (``DecodeNodeView.incoming_kv_tokens``:
-        one link per decode node carries them first) and its own transfer, the prompt less what the node's
-        cache holds (prefix-aware; a cache-blind policy counts nothing held), each transfer also paying its
-        setup (``PolicyParams.handoff_setup_tokens``, in tokens' worth of the link): so the node with the
-        fewest such tokens, then the fewest hand-offs bound there, then the most KV headroom.
-        A node can take it when it has KV room for the uncached prompt once those hand-offs have joined, and a
-        decode step with them and this request joined stays within beta * tau (Eq. 4 with Eq. 5's budget). When
-        no node can, the one with the most KV headroom once it holds the request, then the smallest batch.
+        Its KV reaches a node after the transfers still bound there (one link per decode node carries them
+        first: what the node lacks of their prompts, ``DecodeNodeView.incoming_transfer_tokens``, each paying
+        its setup, ``PolicyParams.handoff_setup_tokens`` in tokens' worth of the link), and then its own, the
+        prompt less what the node's cache holds (prefix-aware; a cache-blind policy counts nothing held): so
+        the node with the fewest such tokens (``core.index.link_tokens``), then the fewest hand-offs bound
+        there, then the most KV headroom. A node can take it when it has KV room for the uncached prompt and
+        the request's output once the hand-offs bound there have joined with theirs, and a decode step with
+        them and this request joined stays within beta * tau (Eq. 4 with Eq. 5's budget). When no node can,
+        it waits for the one with the most KV room once it holds the request, then the smallest batch: a
+        decode node lets a hand-off join only once its KV fits (vLLM's scheduler waits for free blocks), so
+        no node is filled past its KV.
 
         Headroom says where the KV fits, not when it arrives: ranked by it alone, hand-offs would pile onto
         the emptiest node, or onto the node holding the history, whatever its link carries (``docs/prefix.md``).
         """
         held = hits.at if hits else lambda node_id: 0
-        model, budget_s, setup = self.decode_model, self.params.tbt_budget_s, self.params.handoff_setup_tokens
+        budget_s, setup = self.params.tbt_budget_s, self.params.handoff_setup_tokens
 
         def room(n: DecodeNodeView) -> int:
             """KV room once the hand-offs bound there have joined, what the node holds of the prompt counting."""
             return n.headroom_kv_tokens - n.incoming_kv_tokens + held(n.node_id)
 
+        def fits(n: DecodeNodeView, tokens_held: int) -> bool:
+            model = self._decode_model(n)
+            return handoff_fits(model, n, prompt_tokens, budget_s, tokens_held, output_tokens=output_tokens)
+
         index = self._indexed_decode(view)
         if index is None:
-            able = [n for n in view.decode if handoff_fits(model, n, prompt_tokens, budget_s, held(n.node_id))]
+            able = [n for n in view.decode if fits(n, held(n.node_id))]
             if able:
                 return min(
                     able,
                     key=lambda n: (
-                        n.incoming_kv_tokens + setup * n.incoming_requests + prompt_tokens - held(n.node_id),
+                        link_tokens(n, setup) + prompt_tokens - held(n.node_id),
                         n.incoming_requests,
                         -n.headroom_kv_tokens,
                     ),
@@ -507,7 +561,7 @@ class _BasePolicy:
             best: tuple[tuple[float, ...], int] | None = None
             for position, tokens in holding.items():
                 node = view.decode[position]
-                if handoff_fits(model, node, prompt_tokens, budget_s, tokens):
+                if fits(node, tokens):
                     tokens_bound, bound, headroom = index.entries[position].link
                     ranked: tuple[tuple[float, ...], int] = (
                         (tokens_bound + prompt_tokens - tokens, bound, headroom),
@@ -519,7 +573,7 @@ class _BasePolicy:
                 if best is not None and (link[0] + prompt_tokens, link[1], link[2]) > best[0]:
                     break
                 first = index.twins.first_of(group, holding)
-                if first is None or not handoff_fits(model, view.decode[first], prompt_tokens, budget_s):
+                if first is None or not fits(view.decode[first], 0):
                     continue
                 ranked = ((link[0] + prompt_tokens, link[1], link[2]), first)
                 best = ranked if best is None else min(best, ranked)
@@ -530,13 +584,14 @@ class _BasePolicy:
     def _to_prefill(
         self,
         prompt_tokens: int,
+        output_tokens: int,
         view: ClusterView,
         hits: PrefixHits | None,
         prefill: _PrefillOption,
         ttft_dec_s: float | None,
         reason: str,
     ) -> Decision:
-        decode = prefill.target or self._handoff_target(prompt_tokens, view, hits)
+        decode = prefill.target or self._handoff_target(prompt_tokens, output_tokens, view, hits)
         return Decision(
             Route.PREFILL,
             prefill.node.node_id,
@@ -569,15 +624,18 @@ class KairosPolicy(_BasePolicy):
     spec = "kairos"
     guards_chunks = True
 
-    def _decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None, in_time_s: float) -> Decision:
+    def _decide(
+        self, prompt_tokens: int, output_tokens: int, view: ClusterView, hits: PrefixHits | None, in_time_s: float
+    ) -> Decision:
         params = self.params
-        prefill = self._best_prefill(prompt_tokens, view, hits)
+        prefill = self._best_prefill(prompt_tokens, output_tokens, view, hits)
         ttft_pf = prefill.ttft_s
         option, lacking_kv, infeasible = self._fastest_deflection(
             prompt_tokens,
+            output_tokens,
             view,
-            lambda batch_size, kv_tokens, limit_s, cached: largest_safe_runs(
-                self.decode_model,
+            lambda model, batch_size, kv_tokens, limit_s, cached: largest_safe_runs(
+                model,
                 batch_size,
                 kv_tokens,
                 prompt_tokens - cached,
@@ -591,7 +649,7 @@ class KairosPolicy(_BasePolicy):
         )
         if option is None:
             reason = f"no TBT-safe decode node ({infeasible} infeasible, {lacking_kv} short of KV)"
-            return self._to_prefill(prompt_tokens, view, hits, prefill, None, reason)
+            return self._to_prefill(prompt_tokens, output_tokens, view, hits, prefill, None, reason)
         if params.alpha * option.ttft_s < ttft_pf:
             reason = f"decode {option.ttft_s:.3f}s x alpha {params.alpha:g} < prefill {ttft_pf:.3f}s"
             return self._to_decode(option, ttft_pf, reason)
@@ -599,7 +657,7 @@ class KairosPolicy(_BasePolicy):
             reason = f"decode {option.ttft_s:.3f}s in time, prefill {ttft_pf:.3f}s not (admission {in_time_s:.3f}s)"
             return self._to_decode(option, ttft_pf, reason)
         reason = f"decode {option.ttft_s:.3f}s x alpha {params.alpha:g} >= prefill {ttft_pf:.3f}s"
-        return self._to_prefill(prompt_tokens, view, hits, prefill, option.ttft_s, reason)
+        return self._to_prefill(prompt_tokens, output_tokens, view, hits, prefill, option.ttft_s, reason)
 
 
 class OraclePolicy(KairosPolicy):
@@ -614,9 +672,11 @@ class PDPolicy(_BasePolicy):
 
     spec = "pd"
 
-    def _decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None, in_time_s: float) -> Decision:
-        prefill = self._best_prefill(prompt_tokens, view, hits)
-        return self._to_prefill(prompt_tokens, view, hits, prefill, None, "pd never deflects")
+    def _decide(
+        self, prompt_tokens: int, output_tokens: int, view: ClusterView, hits: PrefixHits | None, in_time_s: float
+    ) -> Decision:
+        prefill = self._best_prefill(prompt_tokens, output_tokens, view, hits)
+        return self._to_prefill(prompt_tokens, output_tokens, view, hits, prefill, None, "pd never deflects")
 
 
 class _StaticPolicy(_BasePolicy):
@@ -625,15 +685,18 @@ class _StaticPolicy(_BasePolicy):
     def _wants_deflection(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None) -> tuple[bool, str]:
         raise NotImplementedError
 
-    def _decide(self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None, in_time_s: float) -> Decision:
-        prefill = self._best_prefill(prompt_tokens, view, hits)
+    def _decide(
+        self, prompt_tokens: int, output_tokens: int, view: ClusterView, hits: PrefixHits | None, in_time_s: float
+    ) -> Decision:
+        prefill = self._best_prefill(prompt_tokens, output_tokens, view, hits)
         wants, why = self._wants_deflection(prompt_tokens, view, hits)
         if not wants:
-            return self._to_prefill(prompt_tokens, view, hits, prefill, None, why)
+            return self._to_prefill(prompt_tokens, output_tokens, view, hits, prefill, None, why)
         chunk = self.params.static_chunk_tokens
-        model = self.decode_model
 
-        def plan(batch_size: int, kv_tokens: int, limit_s: float, cached: int) -> tuple[Runs, float] | None:
+        def plan(
+            model: StepLatency, batch_size: int, kv_tokens: int, limit_s: float, cached: int
+        ) -> tuple[Runs, float] | None:
             full, rest = divmod(prompt_tokens - cached, chunk)
             fixed: Runs = [(chunk, full)] if full else []
             if rest:
@@ -641,10 +704,10 @@ class _StaticPolicy(_BasePolicy):
             seconds = runs_s(model, batch_size, kv_tokens + cached, fixed, cached)
             return (fixed, seconds) if seconds < limit_s else None
 
-        option, lacking_kv, _ = self._fastest_deflection(prompt_tokens, view, plan, hits)
+        option, lacking_kv, _ = self._fastest_deflection(prompt_tokens, output_tokens, view, plan, hits)
         if option is None:
             reason = f"{why}, but {lacking_kv} decode nodes short of KV"
-            return self._to_prefill(prompt_tokens, view, hits, prefill, None, reason)
+            return self._to_prefill(prompt_tokens, output_tokens, view, hits, prefill, None, reason)
         return self._to_decode(option, prefill.ttft_s, why)
 
 

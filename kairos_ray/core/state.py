@@ -15,13 +15,19 @@ are empty when nothing cached is queued, so a cold view is what it always was.
 A decode node also counts the hand-offs bound for it that are not decoding
 yet (``incoming_requests``: in a prefill queue, prefilling, in KV transfer,
 or waiting for a slot) and the KV they will reserve there
-(``incoming_kv_tokens``): they will join its batch, so a router choosing
-where to send the next hand-off must see them; of those, the ones whose KV
-has not arrived yet (``incoming_transfers``) still send what the node lacks
-of their prompts over its link (``incoming_transfer_tokens``). Nothing else counts them:
+(``incoming_kv_tokens``: prompt and output), of which their prompts are
+resident once they join (``incoming_prompt_tokens``, Eq. 4's K): they will
+join its batch, so a router choosing where to send the next hand-off must
+see them; of those, the ones whose KV has not arrived yet
+(``incoming_transfers``) still send what the node lacks of their prompts
+over its link (``incoming_transfer_tokens``). Nothing else counts them:
 the decode node's Eq. 5 guard checks each chunk against the batch it runs
 in, so Eq. 5 and 6 price B_n as it is now, and a deflection's KV room is
 what is free now (a hand-off may wait in a prefill queue for minutes).
+
+Each node may carry its own step-latency model (``model``: a fleet of mixed
+GPUs, or a node's own refit); a policy prices it with that, and a node
+without one with its pool's model (the policy's).
 
 A decision may carry admission's verdict (``Admission``, ``core.admission``):
 a shed request is answered at once and dispatched nowhere, so the ledger
@@ -34,6 +40,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import overload
+
+from kairos_ray.core.latency import StepLatency
 
 
 class Route(StrEnum):
@@ -51,6 +59,7 @@ class PrefillNodeView:
     queued_prompt_tokens: tuple[int, ...] = ()  # prompt tokens still to prefill per queued request, FIFO order
     head_prefilled_tokens: int = 0  # tokens of the head request prefilled here so far, beyond its cache hit
     queued_cached_tokens: tuple[int, ...] = ()  # per queued request, its prompt tokens the cache held; () if none
+    model: StepLatency | None = None  # this node's step-latency model (Eq. 4); None: its pool's, the policy's
 
     def context_tokens(self, index: int) -> int:
         """Tokens of queued request ``index``'s prompt already in KV: its first chunk's own prefix."""
@@ -77,9 +86,11 @@ class DecodeNodeView:
     committed_cached_tokens: tuple[int, ...] = ()
     incoming_requests: int = 0  # prefill-routed requests bound here, not decoding yet: they will join B_n
     incoming_kv_tokens: int = 0  # the KV they will reserve here when they join: prompt and output
+    incoming_prompt_tokens: int = 0  # of that, their prompts: resident once they join (Eq. 4's K), output to come
     incoming_transfers: int = 0  # of them, those whose KV has not arrived here yet
     incoming_transfer_tokens: int = 0  # the KV those still send over this node's link: their prompts less its cache
     finished_per_s: float = 0.0  # requests finishing here per second, measured over its recent finishes (0: unknown)
+    model: StepLatency | None = None  # this node's step-latency model (Eq. 4); None: its pool's, the policy's
     # ``committed_tokens`` once asked (-1: not yet): a policy asks it of every node several times per decision,
     # and a burst's ledger commits hundreds of schedules; ``replace`` makes a new view, which asks afresh
     _committed_tokens: int = field(default=-1, init=False, repr=False, compare=False)
@@ -255,13 +266,14 @@ def node_after(
         )
     committed: list[tuple[int, ...]] = []
     committed_cached: list[int] = []
-    incoming = incoming_kv = transfer = reserved = 0
+    incoming = incoming_kv = incoming_prompt = transfer = reserved = 0
     for prompt_tokens, decision, output_tokens in decided:
         if decision.decode_node != node.node_id or decision.shed:
             continue
         if decision.route is Route.PREFILL:
             incoming += 1
             incoming_kv += prompt_tokens + output_tokens
+            incoming_prompt += prompt_tokens
             transfer += prompt_tokens - decision.receiver_cached_tokens
         else:
             committed.append(decision.chunk_schedule)
@@ -280,6 +292,7 @@ def node_after(
         free_kv_tokens=node.free_kv_tokens - reserved,
         incoming_requests=node.incoming_requests + incoming,
         incoming_kv_tokens=node.incoming_kv_tokens + incoming_kv,
+        incoming_prompt_tokens=node.incoming_prompt_tokens + incoming_prompt,
         incoming_transfers=node.incoming_transfers + incoming,
         incoming_transfer_tokens=node.incoming_transfer_tokens + transfer,
     )

@@ -309,7 +309,7 @@ class RouterState:
         """
         view, staleness = self.view(now, avoid)
         hits = self.hits(block_ids or {}, prompt_tokens, held_on)
-        decision = self.policy.decide(prompt_tokens, view, hits, priority)
+        decision = self.policy.decide(prompt_tokens, view, hits, priority, output_tokens)
         if decision.shed and not sheddable:
             assert decision.admission is not None
             decision = replace(decision, admission=decision.admission.overruled())

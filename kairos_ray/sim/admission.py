@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,28 @@ class Source:
         if self.trace is not None:
             return self.trace.scaled_to_rate(rps)
         return synthetic(self.name, rps, self.requests, self.seed)
+
+
+def add_source_options(parser: argparse.ArgumentParser, workloads: str, step: float, step_help: str) -> None:
+    """The options of a comparison over workloads at several rates (this module's, ``sim.mixed``'s)."""
+    parser.add_argument("--workloads", default=workloads, help=f"bursty, multiturn, ..., azure ({workloads})")
+    parser.add_argument("--trace", type=Path, default=AZURE_CONV, help="the trace 'azure' names (%(default)s)")
+    parser.add_argument("--requests", type=int, default=2000, help="requests per run (2000)")
+    parser.add_argument("--seed", type=int, default=1, help="seed of workloads and step noise (1)")
+    parser.add_argument("--step", type=float, default=step, help=f"{step_help} ({step:g})")
+    parser.add_argument("--config", type=Path, help="Kairos configuration YAML")
+
+
+def sources(args: argparse.Namespace) -> Iterator[Source]:
+    """The workloads ``add_source_options``'s arguments name; ``azure`` skipped, and said so, without its trace."""
+    for name in (n.strip() for n in args.workloads.split(",") if n.strip()):
+        trace = None
+        if name == "azure":
+            if not args.trace.is_file():
+                print(f"azure: skipped, no trace at {args.trace}")
+                continue
+            trace = load_trace(args.trace).head(args.requests)
+        yield Source(name, args.requests, args.seed, trace)
 
 
 def run(
@@ -146,26 +168,15 @@ def _pct(value: float) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kairos_ray.sim.admission", description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="bursty,multiturn,azure", help="bursty, multiturn, ..., azure")
-    parser.add_argument("--trace", type=Path, default=AZURE_CONV, help="the trace 'azure' names (%(default)s)")
-    parser.add_argument("--requests", type=int, default=2000, help="requests per run (2000)")
-    parser.add_argument("--seed", type=int, default=1, help="seed of workloads and step noise (1)")
-    parser.add_argument("--step", type=float, default=1.0, help="grid of rates R is found on, req/s (1)")
+    add_source_options(parser, "bursty,multiturn,azure", 1.0, "grid of rates R is found on, req/s")
     parser.add_argument("--probe-every", type=int, default=10, help="probe every N-th shed request (10; 0: none)")
-    parser.add_argument("--config", type=Path, help="Kairos configuration YAML (its admission knobs; mode is set)")
     parser.add_argument("--out", type=Path, default=Path("admission-out"), help="where admission.csv goes")
     args = parser.parse_args(argv)
     config = load_config(args.config) if args.config else KairosConfig()
     setup = replace(SimSetup.from_config(config, seed=args.seed), probe_every=args.probe_every)
     rows = []
-    for name in (n.strip() for n in args.workloads.split(",") if n.strip()):
-        trace = None
-        if name == "azure":
-            if not args.trace.is_file():
-                print(f"azure: skipped, no trace at {args.trace}")
-                continue
-            trace = load_trace(args.trace).head(args.requests)
-        workload_rows, line = sweep_workload(setup, Source(name, args.requests, args.seed, trace), args.step)
+    for source in sources(args):
+        workload_rows, line = sweep_workload(setup, source, args.step)
         rows += workload_rows
         print(line, flush=True)
     print()

@@ -90,6 +90,18 @@ class SimResult:
     probes: dict[int, RequestRecord] = field(default_factory=dict)  # shed request id -> its record, admitted
 
 
+@dataclass(frozen=True)
+class NodeGroup:
+    """``count`` nodes of one kind: what their steps take (``truth``, before noise), their limits and KV link
+    (``hardware``), and the step-latency model their views show the policy (``model``; None: their pool's, the
+    policy's own)."""
+
+    count: int
+    truth: StepLatency
+    hardware: ClusterHardware
+    model: StepLatency | None = None
+
+
 class ClusterSim:
     """One run of one policy over one workload."""
 
@@ -103,26 +115,37 @@ class ClusterSim:
         prefill_chunk_tokens: int,
         seed: int = 0,
         probe_every: int = 0,
+        prefill_groups: Sequence[NodeGroup] = (),
+        decode_groups: Sequence[NodeGroup] = (),
     ) -> None:
+        """``num_prefill`` and ``num_decode`` nodes of ``truth`` and ``hardware``, or, given groups, a mixed
+        fleet: each pool its groups' nodes in order (``hardware`` still gives the step noise)."""
+        prefill_groups = prefill_groups or (NodeGroup(num_prefill, truth, hardware),)
+        decode_groups = decode_groups or (NodeGroup(num_decode, truth, hardware),)
+        num_prefill, num_decode = sum(g.count for g in prefill_groups), sum(g.count for g in decode_groups)
         if num_prefill < 1 or num_decode < 1:
             raise ValueError(f"need at least 1 prefill and 1 decode node, got {num_prefill}P{num_decode}D")
         self.policy = policy
-        self.truth = truth
         self.hw = hardware
+        prefill_of = [g for g in prefill_groups for _ in range(g.count)]
+        self._decode_of = [g for g in decode_groups for _ in range(g.count)]
+        self._prefill_truth = [g.truth for g in prefill_of]
         self.prefill = [
-            PrefillNode(f"prefill-{i}", prefill_chunk_tokens, kv_capacity_tokens=hardware.kv_capacity_tokens)
-            for i in range(num_prefill)
+            PrefillNode(
+                f"prefill-{i}", prefill_chunk_tokens, kv_capacity_tokens=g.hardware.kv_capacity_tokens, model=g.model
+            )
+            for i, g in enumerate(prefill_of)
         ]
-        join_guard = policy.join_guard()
         self.decode = [
             DecodeNode(
                 f"decode-{i}",
-                hardware.kv_capacity_tokens,
-                hardware.max_batch_size,
-                policy.chunk_guard(),
-                join_guard=join_guard,
+                g.hardware.kv_capacity_tokens,
+                g.hardware.max_batch_size,
+                policy.chunk_guard(g.model),
+                join_guard=policy.join_guard(g.model),
+                model=g.model,
             )
-            for i in range(num_decode)
+            for i, g in enumerate(self._decode_of)
         ]
         self._index = {n.node_id: i for i, n in enumerate(self.prefill)} | {
             n.node_id: i for i, n in enumerate(self.decode)
@@ -138,6 +161,7 @@ class ClusterSim:
         self._kv_waiting: list[dict[int, Job]] = [{} for _ in range(num_decode)]
         self._sent = [0] * num_decode  # per decode node: hand-offs whose KV was sent there, not in its batch yet
         self._sent_kv_tokens = [0] * num_decode  # the KV they will reserve there: prompt and output
+        self._sent_prompt_tokens = [0] * num_decode  # of that, their prompts
         self.probe_every = probe_every
         self._num_shed = 0
         self.probes: dict[int, RequestRecord] = {}
@@ -162,7 +186,7 @@ class ClusterSim:
     # ---- event handlers -------------------------------------------------------------------
 
     def _arrive(self, job: Job) -> None:
-        decision = self.policy.decide(job.prompt_tokens, self.view(), self.hits(job), job.priority)
+        decision = self.policy.decide(job.prompt_tokens, self.view(), self.hits(job), job.priority, job.output_tokens)
         job.decision = decision
         if decision.shed:
             self._num_shed += 1
@@ -198,7 +222,8 @@ class ClusterSim:
         if step is None:
             return
         context, chunk = step  # the head's prefilled context: the node's KV and the chunk's own prefix
-        duration = self.truth.step_s(0, context, chunk, context) * self.noise.next()
+        truth = self._prefill_truth[self._index[node.node_id]]
+        duration = truth.step_s(0, context, chunk, context) * self.noise.next()
         node.busy_s += duration
         self._push(self.now + duration, Kind.PREFILL_STEP_END, node)
 
@@ -215,7 +240,8 @@ class ClusterSim:
         """The job's KV leaves its prefill node for its decode node, over that node's link."""
         tokens = self.decode[job.decode_node].expect(job)
         start = max(self.now, self._link_free_s[job.decode_node])
-        self._link_free_s[job.decode_node] = arrival = start + self.hw.transfer_s(tokens)
+        link = self._decode_of[job.decode_node].hardware
+        self._link_free_s[job.decode_node] = arrival = start + link.transfer_s(tokens)
         self._push(arrival, Kind.KV_ARRIVAL, job)
 
     # ---- decode-side protection: a KV waits on its prefill node for a decode node that can take it ----
@@ -238,17 +264,26 @@ class ClusterSim:
         node = self.decode[i]
         if not (node.running or node.deflections or self._sent[i]):
             return True
-        view = replace(node.view(), incoming_requests=self._sent[i], incoming_kv_tokens=self._sent_kv_tokens[i])
+        view = replace(
+            node.view(),
+            incoming_requests=self._sent[i],
+            incoming_kv_tokens=self._sent_kv_tokens[i],
+            incoming_prompt_tokens=self._sent_prompt_tokens[i],
+        )
         cache = node.cache
         held = cache.cached_tokens(job.block_hashes, job.prompt_tokens) if cache and job.block_hashes else 0
-        model, budget_s = self.policy.decode_model, self.policy.params.tbt_budget_s
-        return handoff_fits(model, view, job.prompt_tokens, budget_s, held, with_deflection=True)
+        model, budget_s = node.model or self.policy.decode_model, self.policy.params.tbt_budget_s
+        return handoff_fits(model, view, job.prompt_tokens, budget_s, held, True, job.output_tokens)
 
     def _send(self, job: Job) -> None:
-        i = job.decode_node
-        self._sent[i] += 1
-        self._sent_kv_tokens[i] += job.prompt_tokens + job.output_tokens
+        self._count_sent(job.decode_node, job, 1)
         self._send_kv(job)
+
+    def _count_sent(self, i: int, job: Job, sign: int) -> None:
+        """Count ``job`` as sent to decode node ``i`` (1) or in its batch now (-1)."""
+        self._sent[i] += sign
+        self._sent_kv_tokens[i] += sign * (job.prompt_tokens + job.output_tokens)
+        self._sent_prompt_tokens[i] += sign * job.prompt_tokens
 
     def _release_waiting(self, i: int) -> None:
         """Send the KV waiting for decode node ``i``, first come first served, while it can take the first."""
@@ -276,11 +311,11 @@ class ClusterSim:
         if self._protect and node.joined:
             i = self._index[node.node_id]
             for job in node.joined:
-                self._sent[i] -= 1
-                self._sent_kv_tokens[i] -= job.prompt_tokens + job.output_tokens
+                self._count_sent(i, job, -1)
         if step is None:
             return
-        duration = self.truth.step_s(*step, node.prefix_tokens) * self.noise.next()
+        truth = self._decode_of[self._index[node.node_id]].truth
+        duration = truth.step_s(*step, node.prefix_tokens) * self.noise.next()
         self._push(self.now + duration, Kind.DECODE_STEP_END, (node, duration))
 
     def _end_decode_step(self, event: tuple[DecodeNode, float]) -> None:
@@ -350,7 +385,7 @@ class ClusterSim:
 
     def _records(self, requests: Sequence[Job]) -> list[RequestRecord]:
         durations = [np.asarray(n.durations) for n in self.decode]
-        kv_bytes = self.hw.kv_bytes_per_token
+        kv_bytes = [g.hardware.kv_bytes_per_token for g in self._decode_of]
         records = []
         for r in requests:
             decision = r.decision
@@ -389,7 +424,9 @@ class ClusterSim:
                     finish_s=r.finish_s,
                     tbt_gaps_s=durations[r.decode_node][first_gap : r.last_step + 1],
                     cached_tokens=r.cached_tokens,
-                    kv_transfer_bytes=0 if deflected else (r.prompt_tokens - r.handoff_cached_tokens) * kv_bytes,
+                    kv_transfer_bytes=(
+                        0 if deflected else (r.prompt_tokens - r.handoff_cached_tokens) * kv_bytes[r.decode_node]
+                    ),
                     priority=r.priority,
                 )
             )

@@ -19,7 +19,7 @@ from kairos_ray.metrics import (
     summarize,
     write_csv,
 )
-from kairos_ray.sim.cluster import ClusterSim, SimResult
+from kairos_ray.sim.cluster import ClusterSim, NodeGroup, SimResult
 from kairos_ray.workloads import Workload
 
 
@@ -35,16 +35,53 @@ class SimSetup:
     num_decode: int = 2
     seed: int = 0
     probe_every: int = 0  # admit every probe_every-th shed request in a copy of the run (0: none; ClusterSim)
+    # a mixed fleet (``from_config``): each pool's node groups, each with its own profile; () for one group
+    prefill_groups: tuple[NodeGroup, ...] = ()
+    decode_groups: tuple[NodeGroup, ...] = ()
+    node_models: bool = True  # the policy prices each node with its own group's model, not the pool's
 
     @classmethod
     def from_config(
-        cls, config: KairosConfig, profile: str | None = None, num_prefill: int = 2, num_decode: int = 2, seed: int = 0
+        cls,
+        config: KairosConfig,
+        profile: str | None = None,
+        prefill: int | Sequence[Group] = 2,
+        decode: int | Sequence[Group] = 2,
+        seed: int = 0,
     ) -> SimSetup:
-        """Predictor and hardware from ``profile`` (a name or a path; default: the config's)."""
+        """Predictor and hardware from ``profile`` (a name or a path; default: the config's), for ``prefill`` and
+        ``decode`` nodes: a count, or (count, profile) groups of a mixed fleet (``parse_groups``; a group without
+        a profile is of the setup's)."""
         path = resolve_profile(profile or config.predictor.profile)
         model = StepLatencyModel.load(path)
         hardware = ClusterHardware.from_profile(path)
-        return cls(config, model, hardware, GroundTruth(model, hardware), num_prefill, num_decode, seed)
+        truth = GroundTruth(model, hardware)
+
+        def groups(pool: int | Sequence[Group]) -> tuple[NodeGroup, ...]:
+            if isinstance(pool, int):
+                return (NodeGroup(pool, truth, hardware),)
+            made = []
+            for count, name in pool:
+                own = resolve_profile(name) if name else path
+                if own == path:
+                    made.append(NodeGroup(count, truth, hardware))
+                    continue
+                own_model, own_hardware = StepLatencyModel.load(own), ClusterHardware.from_profile(own)
+                made.append(NodeGroup(count, GroundTruth(own_model, own_hardware), own_hardware, own_model))
+            return tuple(made)
+
+        prefill_groups, decode_groups = groups(prefill), groups(decode)
+        return cls(
+            config,
+            model,
+            hardware,
+            truth,
+            sum(g.count for g in prefill_groups),
+            sum(g.count for g in decode_groups),
+            seed,
+            prefill_groups=prefill_groups,
+            decode_groups=decode_groups,
+        )
 
     def with_admission(self, mode: AdmissionMode) -> SimSetup:
         """The same setup with the configuration's ``admission.mode`` set to ``mode``."""
@@ -57,8 +94,9 @@ class SimSetup:
 
     def simulate(self, spec: str, workload: Workload, progress: Callable[[int], None] | None = None) -> SimResult:
         """One run of the policy ``spec`` names over ``workload``."""
+        policy = self.policy(spec)
         sim = ClusterSim(
-            self.policy(spec),
+            policy,
             self.truth,
             self.hardware,
             self.num_prefill,
@@ -66,6 +104,8 @@ class SimSetup:
             self.config.prefill_chunk_tokens,
             self.seed,
             self.probe_every,
+            self._shown(self.prefill_groups, policy),
+            self._shown(self.decode_groups, policy),
         )
         result = sim.run(workload.clipped_to_context(self.hardware.context_tokens), progress)
         for record in result.records:
@@ -73,6 +113,39 @@ class SimSetup:
             if probe is not None:
                 record.would_attain = probe.attains(self.config.slo)
         return result
+
+    def _shown(self, groups: tuple[NodeGroup, ...], policy: Policy) -> tuple[NodeGroup, ...]:
+        """The groups as ``policy`` sees them: each with its own model (the oracle: its ground truth), or, without
+        ``node_models``, all priced with the pool's."""
+        if not self.node_models:
+            return tuple(replace(g, model=None) for g in groups)
+        if policy.decides_with_ground_truth:
+            return tuple(replace(g, model=g.truth if g.model is not None else None) for g in groups)
+        return groups
+
+
+Group = tuple[int, str | None]
+"""(nodes, profile name or path; None: the setup's own) of one node group (``SimSetup.from_config``)."""
+
+
+def parse_groups(text: str) -> int | list[Group]:
+    """A pool as ``kairos sim --decode`` takes it: ``N`` (N nodes of the setup's profile) or ``N:PROFILE`` entries
+    separated by commas (``2:a100-deepseek-v2-lite,2:h100-deepseek-v2-lite``); a bare N among them is of the
+    setup's profile. Raises ``ValueError`` naming the entry at fault."""
+    text = text.strip()
+    if text.isdigit():
+        if int(text) < 1:
+            raise ValueError(f"need at least 1 node, got {text}")
+        return int(text)
+    groups: list[Group] = []
+    for entry in text.split(","):
+        count, _, name = entry.strip().partition(":")
+        if not count.strip().isdigit() or int(count) < 1:
+            raise ValueError(f"{entry.strip()!r}: expected N or N:PROFILE with N >= 1")
+        if name.strip():
+            resolve_profile(name.strip())  # a profile that does not exist is named now
+        groups.append((int(count), name.strip() or None))
+    return groups
 
 
 def check_specs(specs: Sequence[str]) -> None:

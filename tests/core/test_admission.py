@@ -106,12 +106,26 @@ def test_judge_keeps_the_retry_after_within_its_floor_and_cap():
 
 
 def test_a_handoff_that_would_push_the_decode_step_past_budget_does_not_fit():
-    # T(B + I + 1, K + I_kv + l) with B = 40: 0.051 fits, with one hand-off bound there too 0.052 does not
+    # T(B + I + 1, K + I_p + l) with B = 40: 0.051 fits, with one hand-off bound there too 0.052 does not
     node = DecodeNodeView("d0", batch_size=40, kv_tokens=0, free_kv_tokens=10_000)
     assert handoff_fits(SIMPLE, node, 100, BUDGET_S)
-    assert not handoff_fits(SIMPLE, replace(node, incoming_requests=1, incoming_kv_tokens=200), 100, BUDGET_S)
+    bound = replace(node, incoming_requests=1, incoming_kv_tokens=200, incoming_prompt_tokens=100)
+    assert not handoff_fits(SIMPLE, bound, 100, BUDGET_S)
     assert not handoff_fits(SIMPLE, replace(node, free_kv_tokens=99), 100, BUDGET_S)  # no KV room
     assert handoff_fits(SIMPLE, replace(node, free_kv_tokens=99), 100, BUDGET_S, held_tokens=1)
+
+
+def test_a_handoff_needs_room_for_its_output_and_its_step_counts_the_prompts_bound_there():
+    # B = 39 with one hand-off bound (100 prompt, 5,000 output): T(41, ...) = 0.051 fits whatever K (c_kv = 0)
+    node = DecodeNodeView(
+        "d0", 39, 0, 10_000, incoming_requests=1, incoming_kv_tokens=5_100, incoming_prompt_tokens=100
+    )
+    assert handoff_fits(SIMPLE, node, 100, BUDGET_S, output_tokens=4_800)  # room 4,900 = 100 + 4,800
+    assert not handoff_fits(SIMPLE, node, 100, BUDGET_S, output_tokens=4_801)
+    costly = replace(SIMPLE, c_kv=1e-7)  # 0.051 + 1e-7 K: within 0.0515 up to K = 5,000 (prompts, not outputs)
+    roomy = replace(node, free_kv_tokens=20_000)
+    assert handoff_fits(costly, roomy, 4_800, BUDGET_S)  # K = 100 + 4,800
+    assert not handoff_fits(costly, roomy, 5_000, BUDGET_S)
 
 
 def test_a_handoff_leaves_room_for_the_next_chunk_of_the_deflection_under_way():

@@ -39,6 +39,7 @@ A100ISH = StepLatencyModel(
     c0=0.012, c_batch=8e-5, c_kv=2e-8, c_chunk=3.5e-5, c_chunk_kv=1e-10, c_chunk_sq=1e-9,
     c_chunk_prefix=2e-10, c_prefix=1e-8, c_batch_sq=2e-7, tile_tokens=128,
 )  # fmt: skip
+OWN_MODEL = replace(A100ISH, c0=0.009, c_batch=4e-5, c_chunk=1.2e-5)  # a node of a faster GPU
 
 
 @settings(max_examples=400, deadline=None)
@@ -62,13 +63,15 @@ def test_the_bound_is_below_every_largest_safe_schedule(model, batch, kv, prompt
         assert found is None
 
 
-def _decode(rng: random.Random, name: str) -> DecodeNodeView:
+def _decode(rng: random.Random, name: str, foreign: float = 0.0) -> DecodeNodeView:
+    """A random decode node; of another GPU (its own model) with probability ``foreign``."""
     batch = rng.choice((0, 1, 2, 8, 32, 64, 128, rng.randint(0, 200)))
     kv = min(900_000, sum(rng.randint(100, 8000) for _ in range(batch)))
     committed = tuple(
         tuple(rng.choice((2048, 1024, 512)) for _ in range(rng.randint(1, 4))) for _ in range(rng.choice((0, 0, 1, 2)))
     )
     incoming = rng.choice((0, 0, 1, 3))
+    prompts = incoming * rng.randint(500, 6000)
     return DecodeNodeView(
         name,
         batch_size=batch,
@@ -77,10 +80,12 @@ def _decode(rng: random.Random, name: str) -> DecodeNodeView:
         committed=committed,
         head_prefilled_tokens=rng.choice((0, 512)) if committed else 0,
         incoming_requests=incoming,
-        incoming_kv_tokens=incoming * rng.randint(500, 6000),
+        incoming_kv_tokens=prompts + incoming * rng.randint(0, 2000),
+        incoming_prompt_tokens=prompts,
         incoming_transfers=incoming,
         incoming_transfer_tokens=incoming * rng.randint(0, 4000),
         finished_per_s=rng.choice((0.0, 2.0, 30.0)),
+        model=OWN_MODEL if rng.random() < foreign else None,
     )
 
 
@@ -89,8 +94,8 @@ def _prefill(rng: random.Random, name: str) -> PrefillNodeView:
     return PrefillNodeView(name, queued, head_prefilled_tokens=rng.choice((0, 2048)) if queued else 0)
 
 
-def _fleet(rng: random.Random, num_prefill: int, num_decode: int) -> ClusterView:
-    decode = [_decode(rng, f"decode-{i}") for i in range(num_decode)]
+def _fleet(rng: random.Random, num_prefill: int, num_decode: int, foreign: float = 0.0) -> ClusterView:
+    decode = [_decode(rng, f"decode-{i}", foreign) for i in range(num_decode)]
     for i in range(0, num_decode - 1, 5):  # twins: the tie rule (the node first in the view) is exercised
         decode[i + 1] = replace(decode[i], node_id=f"decode-{i + 1}")
     prefill = [_prefill(rng, f"prefill-{i}") for i in range(num_prefill)]
@@ -106,20 +111,20 @@ def _hits(rng: random.Random, view: ClusterView, prompt: int) -> PrefixHits | No
     return PrefixHits({n: rng.choice((0, 0, 16 * rng.randint(0, prompt // 16))) for n in nodes if rng.random() < 0.3})
 
 
-def _report(rng: random.Random, view: ClusterView) -> ClusterView:
+def _report(rng: random.Random, view: ClusterView, foreign: float = 0.0) -> ClusterView:
     """A node's fresh report replaces its view (or, now and then, a node leaves or joins)."""
     decode, prefill = list(view.decode), list(view.prefill)
     roll = rng.random()
     if roll < 0.05 and len(decode) > 1:
         decode.pop(rng.randrange(len(decode)))
     elif roll < 0.1:
-        decode.append(_decode(rng, f"decode-new-{rng.randrange(10**6)}"))
+        decode.append(_decode(rng, f"decode-new-{rng.randrange(10**6)}", foreign))
     elif roll < 0.2:
         i = rng.randrange(len(prefill))
         prefill[i] = _prefill(rng, prefill[i].node_id)
     else:
         i = rng.randrange(len(decode))
-        decode[i] = _decode(rng, decode[i].node_id)
+        decode[i] = _decode(rng, decode[i].node_id, foreign)
     return ClusterView(tuple(prefill), tuple(decode))
 
 
@@ -131,8 +136,9 @@ def _report(rng: random.Random, view: ClusterView) -> ClusterView:
     estimator=st.sampled_from(("exact", "paper")),
     link=st.sampled_from(((0, 0.0), (256, 2e5), (0, 5e4))),
     num_decode=st.integers(1, 40),
+    foreign=st.sampled_from((0.0, 0.0, 0.05)),
 )
-def test_pruned_decisions_are_the_exhaustive_ones(model, seed, admission, estimator, link, num_decode):
+def test_pruned_decisions_are_the_exhaustive_ones(model, seed, admission, estimator, link, num_decode, foreign):
     index_module.MIN_NODES = 1  # small fleets indexed too (restored by the fixture)
     rng = random.Random(seed)
     params = PolicyParams(
@@ -144,16 +150,16 @@ def test_pruned_decisions_are_the_exhaustive_ones(model, seed, admission, estima
     )
     pruned = make_policy("kairos", params, model)
     exhaustive = make_policy("kairos", replace(params, prune=False), model)
-    view = _fleet(rng, rng.randint(1, 4), num_decode)
+    view = _fleet(rng, rng.randint(1, 4), num_decode, foreign)
     for _ in range(25):
         prompt = rng.choice((rng.randint(1, 2048), rng.randint(1, 32_768)))
         hits = _hits(rng, view, prompt)
-        priority = rng.choice((0, 0, 1))
-        decision = pruned.decide(prompt, view, hits, priority)
-        assert decision == exhaustive.decide(prompt, view, hits, priority)
-        view = apply_decision(view, prompt, decision, rng.randint(0, 2000))
+        priority, output = rng.choice((0, 0, 1)), rng.randint(0, 2000)
+        decision = pruned.decide(prompt, view, hits, priority, output)
+        assert decision == exhaustive.decide(prompt, view, hits, priority, output)
+        view = apply_decision(view, prompt, decision, output)
         for _ in range(rng.choice((0, 1, 3))):
-            view = _report(rng, view)
+            view = _report(rng, view, foreign)
 
 
 @pytest.mark.parametrize("baseline", ["pd", "sq:1", "sl:2048"])
@@ -167,8 +173,8 @@ def test_baselines_route_their_prefill_path_as_before(baseline):
     for _ in range(200):
         prompt = rng.randint(1, 16_000)
         hits = _hits(rng, view, prompt)
-        decision = pruned.decide(prompt, view, hits)
-        assert decision == exhaustive.decide(prompt, view, hits)
+        decision = pruned.decide(prompt, view, hits, output_tokens=200)
+        assert decision == exhaustive.decide(prompt, view, hits, output_tokens=200)
         view = _report(rng, apply_decision(view, prompt, decision, 200))
 
 

@@ -299,6 +299,21 @@ def test_a_deflection_needs_kv_room_for_its_suffix_only():
     assert "1 short of KV" in make_policy("kairos+blind", AWARE, CONTEXT).decide(6500, tight, ON_A).reason
 
 
+def bound_for(node_id, free_kv_tokens, requests, prompt_tokens, output_tokens=0, batch_size=0):
+    """A decode node with ``requests`` hand-offs bound for it, their KV (prompts and outputs) still to arrive."""
+    return DecodeNodeView(
+        node_id,
+        batch_size,
+        0,
+        free_kv_tokens,
+        incoming_requests=requests,
+        incoming_kv_tokens=prompt_tokens + output_tokens,
+        incoming_prompt_tokens=prompt_tokens,
+        incoming_transfers=requests,
+        incoming_transfer_tokens=prompt_tokens,
+    )
+
+
 def test_a_disaggregated_request_goes_where_its_kv_arrives_first_counting_the_blocks_held():
     view = ClusterView(
         (PrefillNodeView("p0"), PrefillNodeView("p1")),
@@ -317,16 +332,14 @@ def test_a_disaggregated_request_goes_where_its_kv_arrives_first_counting_the_bl
     only_holder = ClusterView(view.prefill, (view.decode[1],))
     assert make_policy("pd+blind", AWARE, CONTEXT).decide(6500, only_holder, hits).receiver_cached_tokens == 3000
     # 4,000 tokens already on their way to the holder: 7,500 there against 6,500 to roomy
-    queued_link = DecodeNodeView("holder", 0, 0, 20_000, incoming_requests=1, incoming_kv_tokens=4_000)
-    busier = ClusterView(view.prefill, (view.decode[0], queued_link))
+    busier = ClusterView(view.prefill, (view.decode[0], bound_for("holder", 20_000, 1, 4_000)))
     assert make_policy("pd+prefix", AWARE, CONTEXT).decide(6500, busier, hits).decode_node == "roomy"
 
 
 @pytest.mark.parametrize("setup, chosen", [(0, "many-small"), (6430, "few-big")])
 def test_a_hand_offs_link_counts_each_transfers_setup(setup, chosen):
     # a 1,000-token hand-off: few-big carries 8,000 + 1 setup + 1,000, many-small 2,000 + 4 setups + 1,000
-    few_big = DecodeNodeView("few-big", 0, 0, 100_000, incoming_requests=1, incoming_kv_tokens=8_000)
-    many_small = DecodeNodeView("many-small", 0, 0, 100_000, incoming_requests=4, incoming_kv_tokens=2_000)
+    few_big, many_small = bound_for("few-big", 100_000, 1, 8_000), bound_for("many-small", 100_000, 4, 2_000)
     view = ClusterView((PrefillNodeView("p0"),), (few_big, many_small))
     params = replace(AWARE, handoff_setup_tokens=setup)
     assert make_policy("pd", params, CONTEXT).decide(1000, view).decode_node == chosen
@@ -337,12 +350,114 @@ def test_a_disaggregated_request_goes_only_where_the_decode_step_stays_within_bu
     # with the request, idle-link steps at 0.01 + 0.001 (B + 1) + 1e-7 * 6,500: 0.04965 s at B = 38, within
     # beta * tau = 0.051 s; at B = 40, 0.05165 s, over it, so busy-link takes it despite 20,000 tokens ahead
     idle_link = DecodeNodeView("idle-link", batch, 0, 50_000)
-    busy_link = DecodeNodeView("busy-link", 0, 0, 50_000, incoming_requests=2, incoming_kv_tokens=20_000)
+    busy_link = bound_for("busy-link", 50_000, 2, 20_000)
     view = ClusterView((PrefillNodeView("p0"),), (busy_link, idle_link))
     assert make_policy("pd", AWARE, CONTEXT).decide(6500, view).decode_node == chosen
     # where no node can take it: the most KV headroom once it holds the request
     full = ClusterView(view.prefill, (replace(idle_link, batch_size=60), replace(busy_link, batch_size=60)))
     assert make_policy("pd", AWARE, CONTEXT).decide(6500, full).decode_node == "idle-link"
+
+
+def test_a_hand_off_ranks_nodes_by_the_prompts_their_links_still_carry_not_by_the_kv_they_reserve():
+    # A: a 1,000-token prompt bound there with 16,000 output tokens (17,000 tokens to reserve, 1,000 to carry);
+    # B: a 12,000-token prompt. A 1,000-token hand-off reaches A after 2,000 tokens, B after 13,000
+    view = ClusterView(
+        (PrefillNodeView("p0"),), (bound_for("B", 100_000, 1, 12_000), bound_for("A", 100_000, 1, 1_000, 16_000))
+    )
+    assert make_policy("pd", AWARE, CONTEXT).decide(1000, view).decode_node == "A"
+
+
+def test_a_hand_off_ranks_nodes_by_what_their_links_carry_less_the_blocks_each_receiver_holds():
+    view = ClusterView(
+        (PrefillNodeView("p0"),), (DecodeNodeView("B", 0, 0, 100_000), DecodeNodeView("A", 0, 0, 100_000))
+    )
+    pd = make_policy("pd+prefix", AWARE, CONTEXT)
+    # an 8,000-token prompt of which A holds 7,000 goes to A: 1,000 tokens to carry there, 8,000 to B
+    first = pd.decide(8000, view, PrefixHits({"A": 7000}), output_tokens=100)
+    assert (first.decode_node, first.receiver_cached_tokens) == ("A", 7000)
+    view = apply_decision(view, 8000, first, 100)
+    second = pd.decide(3000, ClusterView(view.prefill, view.decode[:1]), output_tokens=100)  # one for B
+    view = apply_decision(view, 3000, second, 100)
+    assert [(n.incoming_transfer_tokens, n.incoming_kv_tokens) for n in view.decode] == [(3000, 3100), (1000, 8100)]
+    # a cold 1,000-token prompt: A's link carries 1,000 + 1,000 before its first token, B's 3,000 + 1,000
+    assert pd.decide(1000, view).decode_node == "A"
+
+
+def test_a_hand_off_joins_where_the_prompts_bound_there_keep_the_step_in_budget_their_outputs_yet_to_come():
+    # B = 38, one hand-off bound (1,000 prompt, 16,000 output): joined with a 6,500-token request the step is
+    # 0.01 + 0.001 * 40 + 1e-7 * (1,000 + 6,500) = 0.05075 s, within beta * tau = 0.051 s (0.05235 s if the
+    # outputs were resident already)
+    long_answers = bound_for("long-answers", 100_000, 1, 1_000, 16_000, batch_size=38)
+    view = ClusterView((PrefillNodeView("p0"),), (bound_for("elsewhere", 100_000, 1, 12_000), long_answers))
+    assert make_policy("pd", AWARE, CONTEXT).decide(6500, view).decode_node == "long-answers"
+
+
+def test_a_deflection_needs_kv_room_for_its_output_too_and_never_overfills_its_node():
+    queue = (PrefillNodeView("p0", (20_000,)),)
+    exact = ClusterView(queue, (DecodeNodeView("d0", 0, 0, 400),))
+    assert kairos().decide(400, exact).deflected  # no output: 400 tokens fit exactly
+    decision = kairos().decide(400, exact, output_tokens=200)
+    assert not decision.deflected and "1 short of KV" in decision.reason
+    roomy = ClusterView(queue, (DecodeNodeView("d0", 0, 0, 600),))
+    decision = kairos().decide(400, roomy, output_tokens=200)
+    assert decision.deflected
+    assert apply_decision(roomy, 400, decision, 200).decode[0].headroom_kv_tokens == 0
+
+
+def test_a_hand_off_needs_kv_room_for_its_output_and_waits_for_the_roomiest_node_when_none_has_it():
+    short = DecodeNodeView("short", 0, 0, 6_600)  # an idle link
+    enough = bound_for("enough", 11_500, 1, 4_000, 500)  # 7,000 tokens of room once its hand-off has joined
+    view = ClusterView((PrefillNodeView("p0"),), (short, enough))
+    pd = make_policy("pd", AWARE, CONTEXT)
+    assert pd.decide(6500, view).decode_node == "short"
+    assert pd.decide(6500, view, output_tokens=500).decode_node == "enough"  # 7,000 tokens: only enough holds it
+    # no node holds 6,500 + 600: the one with the most room, whose queue it waits in until its KV fits
+    assert pd.decide(6500, view, output_tokens=600).decode_node == "enough"
+
+
+@settings(max_examples=150, deadline=None)
+@given(view=views(), prompt=prompts, output=st.integers(0, 8000), spec=st.sampled_from(("kairos", "sq:1", "sl:32768")))
+def test_no_decision_reserves_more_kv_than_its_node_has_room_for(view, prompt, output, spec):
+    decision = make_policy(spec, SMALL, SIMPLE).decide(prompt, view, output_tokens=output)
+    after = apply_decision(view, prompt, decision, output)
+    at = view.position(decision.decode_node)
+    assert at is not None
+    node = after.decode[at[1]]
+    if decision.deflected:
+        assert node.headroom_kv_tokens >= 0
+    elif any(n.headroom_kv_tokens - n.incoming_kv_tokens >= prompt + output for n in view.decode):
+        assert node.headroom_kv_tokens - node.incoming_kv_tokens >= 0
+
+
+FAST = StepLatencyModel(c0=0.005, c_batch=0.0005, c_kv=0.0, c_chunk=5e-5, c_chunk_kv=5e-8, c_chunk_sq=0.0)
+"""SIMPLE at half its every cost: a node of a faster GPU."""
+
+
+def test_each_node_is_priced_with_its_own_model():
+    pool, fast = DecodeNodeView("pool", 0, 0, 10_000), DecodeNodeView("fast", 0, 0, 10_000, model=FAST)
+    view = ClusterView(VIEW.prefill, (pool, fast))
+    decision = kairos().decide(100, view)
+    # 100 tokens on an idle node: 0.01 + 100 * 1e-4 = 0.02 s priced with the pool's model, 0.01 s with its own
+    assert decision.decode_node == "fast" and decision.ttft_decode_s == pytest.approx(0.01)
+    assert kairos().decide(100, ClusterView(VIEW.prefill, (pool, replace(fast, model=None)))).decode_node == "pool"
+    # prefill nodes too: the same queue (0.092 s on SIMPLE, test_algorithm1_deflects_when_decode_is_faster) is
+    # half as long on the faster node
+    prefill = (VIEW.prefill[0], replace(VIEW.prefill[0], node_id="p-fast", model=FAST))
+    decision = make_policy("pd", SMALL, SIMPLE).decide(100, ClusterView(prefill, (pool,)))
+    assert decision.prefill_node == "p-fast" and decision.ttft_prefill_s == pytest.approx(0.046)
+
+
+def test_a_hand_off_goes_only_where_the_nodes_own_model_keeps_the_step_within_budget():
+    slow = replace(SIMPLE, c0=0.05)  # a step of 0.05 + 0.001 (B + 1): over beta * tau = 0.051 s with B = 1
+    crowded = DecodeNodeView("crowded", 1, 0, 50_000, model=slow)  # an idle link, but steps too slow for a join
+    view = ClusterView((PrefillNodeView("p0"),), (crowded, bound_for("busy-link", 50_000, 2, 20_000)))
+    assert make_policy("pd", AWARE, CONTEXT).decide(6500, view).decode_node == "busy-link"
+    assert (
+        make_policy("pd", AWARE, CONTEXT)
+        .decide(6500, ClusterView(view.prefill, (replace(crowded, model=None), view.decode[1])))
+        .decode_node
+        == "crowded"
+    )
 
 
 def test_sl_with_prefix_is_llm_ds_uncached_suffix_threshold():

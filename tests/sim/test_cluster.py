@@ -16,6 +16,7 @@ from kairos_ray.core import (
     make_policy,
 )
 from kairos_ray.emulation import ClusterHardware
+from kairos_ray.nodes import DecodeNode
 from kairos_ray.sim.cluster import ClusterSim, Kind
 from kairos_ray.workloads import Request, Workload
 
@@ -123,6 +124,21 @@ def test_decode_queue_waits_for_kv_room():
     assert second.ttft_s == pytest.approx(1.0)  # its KV landed at 0.6 but room frees only at 0.9
 
 
+def test_a_deflection_never_fills_its_decode_node_past_its_kv(monkeypatch):
+    # 1,000 prompt and 500 output tokens each, on a decode node of 2,500: after one deflection 1,000 are left
+    overrun = []
+    deflect = DecodeNode.deflect
+
+    def watched(node, job):
+        deflect(node, job)
+        overrun.append(node.used_kv_tokens - node.kv_capacity_tokens)
+
+    monkeypatch.setattr(DecodeNode, "deflect", watched)
+    records = simulate("kairos", [(0.0, 1000, 500)] * 6, hardware=replace(HW, kv_capacity_tokens=2500)).records
+    assert [r.route for r in records].count(Route.DEFLECT) == 1
+    assert overrun == [-1000]
+
+
 def test_an_arrival_sees_the_step_that_ends_at_the_same_instant():
     # A's single prefill step ends at exactly 0.2, when B arrives: B must find the prefill queue empty
     sim = ClusterSim(make_policy("pd", PARAMS, MODEL), Fixed(), HW, 1, 1, 100)
@@ -141,16 +157,21 @@ class Recording:
         self.guards_chunks, self.decides_with_ground_truth = policy.guards_chunks, policy.decides_with_ground_truth
         self.params, self.decode_model = policy.params, policy.decode_model
 
-    def chunk_guard(self):
-        return self.policy.chunk_guard()
+    def chunk_guard(self, model=None):
+        return self.policy.chunk_guard(model)
 
-    def join_guard(self):
-        return self.policy.join_guard()
+    def join_guard(self, model=None):
+        return self.policy.join_guard(model)
 
     def decide(
-        self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None = None, priority: int = 0
+        self,
+        prompt_tokens: int,
+        view: ClusterView,
+        hits: PrefixHits | None = None,
+        priority: int = 0,
+        output_tokens: int = 0,
     ) -> Decision:
-        decision = self.policy.decide(prompt_tokens, view, hits, priority)
+        decision = self.policy.decide(prompt_tokens, view, hits, priority, output_tokens)
         self.calls.append((prompt_tokens, view, decision))
         return decision
 

@@ -80,3 +80,31 @@ def test_sim_and_live_summaries_print_side_by_side_with_their_ratio():
     lines = {line[:22].strip(): line.split() for line in text.splitlines()[1:]}
     assert lines["P95 TTFT s"][-1] == "1.50x" and lines["P95 TBT ms"][-3:] == ["1000.000", "20.000", "0.02x"]
     assert len(lines) == len(COMPARED)
+
+
+def test_sim_runs_a_mixed_fleet_each_node_priced_with_its_own_model(tmp_path):
+    decode = "1:a100-deepseek-v2-lite,1:h100-deepseek-v2-lite"
+    deflected = {}
+    for models in ("own", "pool"):
+        out = tmp_path / models
+        result = kairos(
+            "sim", "--workload", "bursty", "--rps", "4", "--policies", "kairos", "--requests", "300",
+            "--decode", decode, "--node-models", models, "--no-plots", "--out", str(out),
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        with (out / "requests.csv").open() as f:
+            rows = [r for r in csv.DictReader(f) if r["route"] == "deflect"]
+        deflected[models] = {node: sum(r["decode_node"] == node for r in rows) for node in ("decode-0", "decode-1")}
+    # priced with its own (H100) model, decode-1 is seen to prefill far faster: it takes most deflections
+    assert deflected["own"]["decode-1"] > 2 * deflected["own"]["decode-0"]
+    assert deflected["own"]["decode-1"] > deflected["pool"]["decode-1"]
+
+
+def test_sim_names_a_bad_node_group():
+    for value, says in (
+        ("2:no-such-gpu", "no profile file 'no-such-gpu'"),
+        ("0", "at least 1 node"),
+        ("x:a", "N:PROFILE"),
+    ):
+        result = kairos("sim", "--decode", value, "--requests", "10")
+        assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr
