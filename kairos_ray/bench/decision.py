@@ -19,7 +19,9 @@ policy (what a decision cost before the router kept its index, and what one
 costs after the fleet changes). ``--exhaustive`` prices every node
 (``policy.prune: false``); ``--admission`` turns admission on, as in the
 shipped apps (hand-offs then go where their first token comes first).
-``--prefix`` times ``kairos+prefix``, each
+``--mixed PROFILE`` makes the fleet mixed: every other decode node carries
+that profile's model (``DecodeNodeView.model``; the index keeps a model's
+nodes apart). ``--prefix`` times ``kairos+prefix``, each
 decision given the prefix hits of its request: about half the nodes hold a
 random whole-block share of the prompt (``scenarios.random_hits``).
 
@@ -34,10 +36,18 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from kairos_ray.config import KairosConfig
-from kairos_ray.core import ClusterView, DecodeNodeView, PrefillNodeView, PrefixHits, apply_decision, with_nodes
+from kairos_ray.config import KairosConfig, resolve_profile
+from kairos_ray.core import (
+    ClusterView,
+    DecodeNodeView,
+    PrefillNodeView,
+    PrefixHits,
+    StepLatencyModel,
+    apply_decision,
+    with_nodes,
+)
 from kairos_ray.scenarios import prompt_tokens, random_decode_node, random_hits, random_prefill_node, random_view
 
 OUTPUT_TOKENS = 256  # what each decided request reserves on its decode node (the ledger's output tokens)
@@ -64,6 +74,7 @@ def run(
     cold: bool = False,
     exhaustive: bool = False,
     admission: bool = False,
+    mixed: str | None = None,
 ) -> dict[str, float | int | bool | str]:
     """Time ``decisions`` kairos decisions (module docstring); returns the JSON report."""
     config = KairosConfig.model_validate(
@@ -74,18 +85,27 @@ def run(
     decode_model = config.predictor.load()
     rng, hits_rng = random.Random(seed), random.Random(seed + 1)  # the same views either way
     candidates, budget = params.chunk_candidates, params.tbt_budget_s
-    fleet = random_view(rng, decode_model, num_prefill, num_decode, candidates, budget)
+    other = StepLatencyModel.load(resolve_profile(mixed)) if mixed else None
+
+    def own(node: DecodeNodeView) -> DecodeNodeView:
+        """``--mixed``: odd decode nodes carry the other model."""
+        return replace(node, model=other) if other and int(node.node_id.rsplit("-", 1)[1]) % 2 else node
+
+    def mixed_view(view: ClusterView) -> ClusterView:
+        return ClusterView(view.prefill, tuple(map(own, view.decode))) if other else view
+
+    fleet = mixed_view(random_view(rng, decode_model, num_prefill, num_decode, candidates, budget))
     cases = []
     for _ in range(decisions):
         tokens = prompt_tokens(rng)
-        view = random_view(rng, decode_model, num_prefill, num_decode, candidates, budget) if cold else None
+        view = mixed_view(random_view(rng, decode_model, num_prefill, num_decode, candidates, budget)) if cold else None
         news: list[PrefillNodeView | DecodeNodeView] = []
         for _ in range(0 if cold else reports):
             index = rng.randrange(num_prefill + num_decode)
             if index < num_prefill:
                 news.append(random_prefill_node(rng, index))
             else:
-                news.append(random_decode_node(rng, decode_model, index - num_prefill, candidates, budget))
+                news.append(own(random_decode_node(rng, decode_model, index - num_prefill, candidates, budget)))
         hits = random_hits(hits_rng, view or fleet, tokens) if prefix else None
         cases.append(_Case(tokens, hits, tuple(news), view))
     timings_ns = [math.inf] * decisions
@@ -111,6 +131,7 @@ def run(
         "mode": "cold" if cold else f"router, {reports} reports per decision",
         "pruned": not exhaustive,
         "admission": admission,
+        "mixed": mixed or "",
         "decisions": decisions,
         "repeats": repeats,
         "p50_us": round(timings_ns[len(timings_ns) // 2] / 1e3, 2),
@@ -149,6 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--admission", action="store_true", help="admission on (admission.mode: shed), as the shipped apps run"
     )
+    parser.add_argument(
+        "--mixed", metavar="PROFILE", help="every other decode node carries this profile's model (a mixed fleet)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence")
     args = parser.parse_args(argv)
     for flag in ("decode_nodes", "prefill_nodes", "decisions", "repeats"):
@@ -156,6 +180,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.reports < 0:
         parser.error(f"--reports must be >= 0, got {args.reports}")
+    if args.mixed:
+        try:
+            resolve_profile(args.mixed)
+        except ValueError as exc:
+            parser.error(f"--mixed: {exc}")
     report = run(
         args.decode_nodes,
         args.prefill_nodes,
@@ -167,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.cold,
         args.exhaustive,
         args.admission,
+        args.mixed,
     )
     if args.json:
         print(json.dumps(report))

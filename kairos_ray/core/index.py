@@ -41,10 +41,12 @@ hand-off wins. With admission, its estimate (``core.admission.handoff_ttft_s``)
 is at least TTFT_pf + T_kv + T0(B + I + 1, K + I_p + l), so the nodes are read
 in order of T0's node part.
 
-A model with a negative coefficient (a refit can produce one) has no such
-bounds: every node is priced, as when ``prune`` is off. So is a pool in which
-some node carries a model of its own (``DecodeNodeView.model``): the bounds
-hold per model, and the index keeps one.
+A node may carry a model of its own (a mixed fleet: ``DecodeNodeView.model``):
+the bounds hold per model, so the index keeps each model's nodes in lists of
+their own, and a search reads each model's lists in turn, every one until its
+bound passes the best found so far (in any of them). A model with a negative
+coefficient (a refit can produce one) has no such bounds: while a node has
+one, every node is priced, as when ``prune`` is off.
 """
 
 from __future__ import annotations
@@ -233,6 +235,7 @@ class DecodeEntry:
     """What a decode node's answers depend on besides the request (module docstring)."""
 
     node: DecodeNodeView
+    model: StepLatencyModel  # the node's: its own, else the pool's
     wait_s: float  # W: its committed deflections' remaining time (Eq. 6 behind them)
     batch_size: int  # B a deflection is planned beside (the bound hand-offs joined under protection)
     kv_tokens: int  # K likewise
@@ -322,10 +325,11 @@ class _Index:
         self.nodes: tuple[PrefillNodeView, ...] | tuple[DecodeNodeView, ...] | None = None
         self.ready = False  # built for ``nodes``
         self.positions: dict[str, int] = {}
-        self.foreign = 0  # indexed nodes carrying a model other than the pool's: while any do, it cannot answer
+        self.foreign = 0  # indexed nodes whose model the index cannot bound: while any are, it cannot answer
 
     def _foreign(self, node: PrefillNodeView | DecodeNodeView) -> int:
-        return int(node.model is not None and node.model != self.model)
+        """1 if the index cannot answer for ``node``'s model, else 0."""
+        return 0
 
     def _plan(self, nodes: tuple[PrefillNodeView, ...] | tuple[DecodeNodeView, ...]) -> tuple[bool, list[int] | None]:
         """(whether the index can answer for ``nodes``, the positions to update: None to build it whole).
@@ -371,17 +375,16 @@ class _Index:
         return found
 
 
-class DecodeIndex(_Index):
-    """A policy's decode nodes: for deflections grouped by (W, B, K) and sorted by W, f(B) and K; for
-    hand-offs grouped as twins and sorted by a hand-off's first step and by its link ranking."""
+class ModelGroups:
+    """The decode nodes of one model: for deflections grouped by (W, B, K) and sorted by W + k (T0 - c0) per slope
+    k; for hand-offs grouped as twins and sorted by a hand-off's first step and by its link ranking."""
 
-    def __init__(self, model: StepLatencyModel, protect: bool, setup_tokens: int, walks: QueueWalks) -> None:
-        super().__init__(model)
-        self.model: StepLatencyModel = model
-        self.protect, self.setup_tokens, self.walks = protect, setup_tokens, walks
-        self.entries: list[DecodeEntry] = []
+    def __init__(self, model: StepLatencyModel) -> None:
+        self.model = model
         self.plans = Groups(lambda e: (e.wait_s, e.batch_size, e.kv_tokens), self._plan_keys)
         self.twins = Groups(lambda e: twin_key(e.node), lambda e: ((e.first_step_s,), e.link))
+        self.plans.clear(len(WEIGHTS))
+        self.twins.clear(2)
 
     def _plan_keys(self, entry: DecodeEntry) -> tuple[SortKey, ...]:
         """Each deflection list's key, W + k (T0 - c0) per slope k of ``WEIGHTS`` (then T0, the lighter node
@@ -389,59 +392,111 @@ class DecodeIndex(_Index):
         step_s = entry.batch_s + self.model.c_kv * entry.kv_tokens  # T0 - c0
         return tuple((entry.wait_s + k * step_s, step_s) for k in WEIGHTS)
 
+    def join(self, position: int, entry: DecodeEntry) -> None:
+        self.plans.join(position, entry)
+        self.twins.join(position, entry)
+
+    def leave(self, position: int, entry: DecodeEntry) -> None:
+        self.plans.leave(position, entry)
+        self.twins.leave(position, entry)
+
+    @property
+    def empty(self) -> bool:
+        return not self.plans.positions
+
+
+class DecodeIndex(_Index):
+    """A policy's decode nodes, in groups per model (``ModelGroups``)."""
+
+    def __init__(self, model: StepLatencyModel, protect: bool, setup_tokens: int, walks: QueueWalks) -> None:
+        super().__init__(model)
+        self.model: StepLatencyModel = model
+        self.protect, self.setup_tokens, self.walks = protect, setup_tokens, walks
+        self.entries: list[DecodeEntry] = []
+        self.groups: dict[StepLatencyModel, ModelGroups] = {}  # by model, each holding nodes
+
+    def _foreign(self, node: PrefillNodeView | DecodeNodeView) -> int:
+        return int(node.model is not None and not bounded(node.model))
+
     def entry(self, node: DecodeNodeView) -> DecodeEntry:
-        model = self.model
+        """The node's entry, priced with its model (one the index cannot bound: the pool's, never searched)."""
+        own = node.model
+        model = own if isinstance(own, StepLatencyModel) and bounded(own) else self.model
         wait_s, batch_size, kv_tokens = planned_beside(model, node, self.protect, self.walks)
         joined = node.batch_size + node.incoming_requests + 1
         first_step_s = batch_cost_s(model, joined) + model.c_kv * (node.kv_tokens + node.incoming_prompt_tokens)
         link = (link_tokens(node, self.setup_tokens), node.incoming_requests, -node.headroom_kv_tokens)
-        return DecodeEntry(node, wait_s, batch_size, kv_tokens, batch_cost_s(model, batch_size), first_step_s, link)
+        return DecodeEntry(
+            node, model, wait_s, batch_size, kv_tokens, batch_cost_s(model, batch_size), first_step_s, link
+        )
+
+    def _join(self, position: int, entry: DecodeEntry) -> None:
+        groups = self.groups.get(entry.model)
+        if groups is None:
+            groups = self.groups[entry.model] = ModelGroups(entry.model)
+        groups.join(position, entry)
+
+    def _leave(self, position: int, entry: DecodeEntry) -> None:
+        groups = self.groups[entry.model]
+        groups.leave(position, entry)
+        if groups.empty:
+            del self.groups[entry.model]
 
     def sync(self, nodes: tuple[DecodeNodeView, ...]) -> bool:
         """Bring the index to ``nodes`` (O(changed nodes x log of the fleet)); False: price them node by node
-        (``_plan``, or a node with a model of its own)."""
+        (``_plan``, or a node whose model the index cannot bound)."""
         usable, changed = self._plan(nodes)
         if not usable:
             return False
         if changed is None:
             self.entries = [self.entry(node) for node in nodes]
-            self.plans.clear(len(WEIGHTS))
-            self.twins.clear(2)
+            self.groups = {}
             for i, entry in enumerate(self.entries):
-                self.plans.join(i, entry)
-                self.twins.join(i, entry)
+                self._join(i, entry)
             return not self.foreign
         for i in changed:
             old, new = self.entries[i], self.entry(nodes[i])
             self.entries[i] = new
-            self.plans.leave(i, old)
-            self.twins.leave(i, old)
-            self.plans.join(i, new)
-            self.twins.join(i, new)
+            self._leave(i, old)
+            self._join(i, new)
         return not self.foreign
 
 
 class PrefillIndex(_Index):
-    """A policy's prefill nodes sorted by their queue wait (Eq. 2 or the walked FIFO)."""
+    """A policy's prefill nodes sorted by their queue wait (Eq. 2 or the walked FIFO), in a list per model."""
 
     def __init__(self, model: StepLatency, queue_wait: QueueTTFT, chunk_tokens: int, walks: QueueWalks) -> None:
         super().__init__(model)
         self.queue_wait, self.chunk_tokens, self.walks = queue_wait, chunk_tokens, walks
         self.waits: list[float] = []
-        self.by_wait: SortedPairs[float] = SortedPairs([])
+        self.models: list[StepLatency] = []  # per position, the node's model (its own, else the pool's)
+        self.by_wait: dict[StepLatency, SortedPairs[float]] = {}  # per model, its nodes by wait
 
     def sync(self, nodes: tuple[PrefillNodeView, ...]) -> bool:
         """As ``DecodeIndex.sync``."""
         usable, changed = self._plan(nodes)
         if not usable:
             return False
-        wait = self.queue_wait
         if changed is None:
-            self.waits = [wait(self.model, node, self.chunk_tokens, self.walks) for node in nodes]
-            self.by_wait = SortedPairs([(w, i) for i, w in enumerate(self.waits)])
-            return not self.foreign
+            self.waits, self.models, self.by_wait = [], [], {}
+            for i, node in enumerate(nodes):
+                self.waits.append(0.0)
+                self.models.append(self.model)
+                self._add(i, node)
+            return True
         for i in changed:
-            self.by_wait.remove(self.waits[i], i)
-            self.waits[i] = wait(self.model, nodes[i], self.chunk_tokens, self.walks)
-            self.by_wait.add(self.waits[i], i)
-        return not self.foreign
+            pairs = self.by_wait[self.models[i]]
+            pairs.remove(self.waits[i], i)
+            if not len(pairs):
+                del self.by_wait[self.models[i]]
+            self._add(i, nodes[i])
+        return True
+
+    def _add(self, position: int, node: PrefillNodeView) -> None:
+        model = node.model or self.model
+        wait_s = self.queue_wait(model, node, self.chunk_tokens, self.walks)
+        self.waits[position], self.models[position] = wait_s, model
+        pairs = self.by_wait.get(model)
+        if pairs is None:
+            pairs = self.by_wait[model] = SortedPairs([])
+        pairs.add(wait_s, position)

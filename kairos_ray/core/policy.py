@@ -339,22 +339,23 @@ class _BasePolicy:
     def _indexed_prefill(
         self, prompt_tokens: int, view: ClusterView, hits: PrefixHits | None, index: PrefillIndex
     ) -> tuple[PrefillNodeView, float, int]:
-        """``_priced_prefill`` from the index: the nodes holding part of the prompt priced, of the others the
-        least queue wait (and any node whose estimate rounds to the same seconds, for the tie rule)."""
-        model, chunk, own = self.prefill_model, self.params.prefill_chunk_tokens, self._own_prefill
+        """``_priced_prefill`` from the index: the nodes holding part of the prompt priced, of the others, per
+        model, the least queue wait (and any node whose estimate rounds to the same seconds, for the tie rule)."""
+        chunk, own = self.params.prefill_chunk_tokens, self._own_prefill
         held = index.held(hits.tokens_by_node if hits else None)
         best, best_s, best_cached = -1, math.inf, 0
         for position, cached in held.items():
-            seconds = index.waits[position] + own(model, prompt_tokens, cached, chunk)
+            seconds = index.waits[position] + own(index.models[position], prompt_tokens, cached, chunk)
             if (seconds, position) < (best_s, best):
                 best, best_s, best_cached = position, seconds, cached
-        cold_s = own(model, prompt_tokens, 0, chunk)
-        for wait_s, position in zip(index.by_wait.keys, index.by_wait.ids, strict=True):
-            seconds = wait_s + cold_s
-            if seconds > best_s:
-                break
-            if position not in held and (seconds, position) < (best_s, best):
-                best, best_s, best_cached = position, seconds, 0
+        for model, by_wait in index.by_wait.items():
+            cold_s = own(model, prompt_tokens, 0, chunk)
+            for wait_s, position in zip(by_wait.keys, by_wait.ids, strict=True):
+                seconds = wait_s + cold_s
+                if seconds > best_s:
+                    break
+                if position not in held and (seconds, position) < (best_s, best):
+                    best, best_s, best_cached = position, seconds, 0
         if best < 0:  # every estimate inf: the first node, as pricing each would
             return view.prefill[0], math.inf, 0
         return view.prefill[best], best_s, best_cached
@@ -392,16 +393,17 @@ class _BasePolicy:
             return best
         for position, tokens_held in held.items():
             price(position, tokens_held)
-        model = index.model
         transfer_s = (setup + prompt_tokens) / rate if rate > 0 else 0.0
-        floor_s = prefill.ttft_s + transfer_s + model.c0 + model.c_kv * prompt_tokens
-        by_first_step = index.twins.lists[0]
-        for first_step_s, group in zip(by_first_step.keys, by_first_step.ids, strict=True):
-            if best.target is not None and (floor_s + first_step_s[0]) * (1 - SAFETY) > best.ttft_s:
-                break
-            first = index.twins.first_of(group, held)
-            if first is not None:
-                price(first, 0)
+        for groups in index.groups.values():
+            model = groups.model
+            floor_s = prefill.ttft_s + transfer_s + model.c0 + model.c_kv * prompt_tokens
+            by_first_step = groups.twins.lists[0]
+            for first_step_s, group in zip(by_first_step.keys, by_first_step.ids, strict=True):
+                if best.target is not None and (floor_s + first_step_s[0]) * (1 - SAFETY) > best.ttft_s:
+                    break
+                first = groups.twins.first_of(group, held)
+                if first is not None:
+                    price(first, 0)
         return best
 
     def _fastest_deflection(
@@ -456,9 +458,9 @@ class _BasePolicy:
     def _deflection_pruned(
         self, prompt_tokens: int, output_tokens: int, plan: Planner, hits: PrefixHits | None, index: DecodeIndex
     ) -> tuple[_DecodeOption | None, int, int]:
-        """``_fastest_deflection`` over the index's groups in order of their bound (``core.index``); the counts
-        are not kept (returned 0)."""
-        model, params = index.model, self.params
+        """``_fastest_deflection`` over the index's groups in order of their bound, model by model
+        (``core.index``); the counts are not kept (returned 0)."""
+        params = self.params
         protect, budget_s, candidates = params.admission.on, params.tbt_budget_s, params.chunk_candidates
         held = index.held(hits.tokens_by_node if hits else None)
         assert index.nodes is not None
@@ -471,7 +473,7 @@ class _BasePolicy:
             entry = index.entries[position]
             if entry.node.headroom_kv_tokens < prompt_tokens - cached + output_tokens:
                 return
-            wait_s, batch_size, kv_tokens = entry.wait_s, entry.batch_size, entry.kv_tokens
+            model, wait_s, batch_size, kv_tokens = entry.model, entry.wait_s, entry.batch_size, entry.kv_tokens
             if protect and not joined_step_fits(model, batch_size, kv_tokens, prompt_tokens, budget_s):
                 return
             if best is not None:
@@ -502,15 +504,17 @@ class _BasePolicy:
         def has_room(position: int) -> bool:
             return entries[position].node.headroom_kv_tokens >= prompt_tokens + output_tokens
 
-        # LB >= LB(idle) + W + k (T0 - c0) (core.index): the nodes in that order, until it passes the best
-        slope = idle_slope(model, prompt_tokens, candidates, budget_s)
-        by = index.plans.lists[WEIGHTS.index(slope)]
-        idle_s = deflection_bound_s(model, prompt_tokens, 0.0, 0.0, 0.0, candidates, budget_s)
-        for key, group in zip(by.keys, by.ids, strict=True):
-            if best is not None and (idle_s + key[0]) * (1 - SAFETY) > best.ttft_s:
-                break
-            if (first := index.plans.first_of(group, held, has_room)) is not None:
-                price(first, 0)
+        # LB >= LB(idle) + W + k (T0 - c0) (core.index): each model's nodes in that order, until it passes the best
+        for groups in index.groups.values():
+            model = groups.model
+            slope = idle_slope(model, prompt_tokens, candidates, budget_s)
+            by = groups.plans.lists[WEIGHTS.index(slope)]
+            idle_s = deflection_bound_s(model, prompt_tokens, 0.0, 0.0, 0.0, candidates, budget_s)
+            for key, group in zip(by.keys, by.ids, strict=True):
+                if best is not None and (idle_s + key[0]) * (1 - SAFETY) > best.ttft_s:
+                    break
+                if (first := groups.plans.first_of(group, held, has_room)) is not None:
+                    price(first, 0)
         return best, 0, 0
 
     def _handoff_target(
@@ -568,15 +572,16 @@ class _BasePolicy:
                         position,
                     )
                     best = ranked if best is None else min(best, ranked)
-            by_link = index.twins.lists[1]
-            for link, group in zip(by_link.keys, by_link.ids, strict=True):
-                if best is not None and (link[0] + prompt_tokens, link[1], link[2]) > best[0]:
-                    break
-                first = index.twins.first_of(group, holding)
-                if first is None or not fits(view.decode[first], 0):
-                    continue
-                ranked = ((link[0] + prompt_tokens, link[1], link[2]), first)
-                best = ranked if best is None else min(best, ranked)
+            for groups in index.groups.values():
+                by_link = groups.twins.lists[1]
+                for link, group in zip(by_link.keys, by_link.ids, strict=True):
+                    if best is not None and (link[0] + prompt_tokens, link[1], link[2]) > best[0]:
+                        break
+                    first = groups.twins.first_of(group, holding)
+                    if first is None or not fits(view.decode[first], 0):
+                        continue
+                    ranked = ((link[0] + prompt_tokens, link[1], link[2]), first)
+                    best = ranked if best is None else min(best, ranked)
             if best is not None:
                 return view.decode[best[1]]
         return max(view.decode, key=lambda n: (room(n), -n.batch_size - n.incoming_requests))

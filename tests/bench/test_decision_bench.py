@@ -24,3 +24,11 @@ def test_decision_bench_rejects_bad_counts():
     )
     assert result.returncode == 2
     assert "--decode-nodes must be >= 1" in result.stderr
+
+
+def test_decision_bench_times_a_mixed_fleet_in_process():
+    from kairos_ray.bench.decision import run
+
+    one, mixed = (run(32, decisions=100, repeats=1, mixed=m) for m in (None, "h100-deepseek-v2-lite"))
+    assert (one["mixed"], mixed["mixed"]) == ("", "h100-deepseek-v2-lite")
+    assert mixed["deflected_pct"] != one["deflected_pct"]  # the same views, half the nodes priced faster

@@ -89,16 +89,17 @@ def _decode(rng: random.Random, name: str, foreign: float = 0.0) -> DecodeNodeVi
     )
 
 
-def _prefill(rng: random.Random, name: str) -> PrefillNodeView:
+def _prefill(rng: random.Random, name: str, foreign: float = 0.0) -> PrefillNodeView:
     queued = tuple(rng.randint(1, 20_000) for _ in range(rng.choice((0, 0, 1, 3, 9))))
-    return PrefillNodeView(name, queued, head_prefilled_tokens=rng.choice((0, 2048)) if queued else 0)
+    prefilled = rng.choice((0, 2048)) if queued else 0
+    return PrefillNodeView(name, queued, prefilled, model=OWN_MODEL if rng.random() < foreign else None)
 
 
 def _fleet(rng: random.Random, num_prefill: int, num_decode: int, foreign: float = 0.0) -> ClusterView:
     decode = [_decode(rng, f"decode-{i}", foreign) for i in range(num_decode)]
     for i in range(0, num_decode - 1, 5):  # twins: the tie rule (the node first in the view) is exercised
         decode[i + 1] = replace(decode[i], node_id=f"decode-{i + 1}")
-    prefill = [_prefill(rng, f"prefill-{i}") for i in range(num_prefill)]
+    prefill = [_prefill(rng, f"prefill-{i}", foreign) for i in range(num_prefill)]
     if num_prefill > 1:
         prefill[1] = replace(prefill[0], node_id="prefill-1")
     return ClusterView(tuple(prefill), tuple(decode))
@@ -121,7 +122,7 @@ def _report(rng: random.Random, view: ClusterView, foreign: float = 0.0) -> Clus
         decode.append(_decode(rng, f"decode-new-{rng.randrange(10**6)}", foreign))
     elif roll < 0.2:
         i = rng.randrange(len(prefill))
-        prefill[i] = _prefill(rng, prefill[i].node_id)
+        prefill[i] = _prefill(rng, prefill[i].node_id, foreign)
     else:
         i = rng.randrange(len(decode))
         decode[i] = _decode(rng, decode[i].node_id, foreign)
@@ -189,10 +190,11 @@ def _sweeps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def test_a_decision_on_a_large_fleet_prices_few_of_its_nodes(monkeypatch):
+@pytest.mark.parametrize("foreign", [0.0, 0.3])
+def test_a_decision_on_a_large_fleet_prices_few_of_its_nodes(monkeypatch, foreign):
     calls = _sweeps(monkeypatch)
     rng = random.Random(7)
-    fleet = _fleet(rng, 2, 1024)
+    fleet = _fleet(rng, 2, 1024, foreign)  # 30 %: a mixed fleet, each model's nodes in lists of their own
     decisions = 200
     for prune in (False, True):
         policy = make_policy("kairos", PolicyParams(prune=prune), A100ISH)
@@ -217,3 +219,22 @@ def test_a_model_with_a_negative_coefficient_prices_every_node(monkeypatch):
         make_policy("kairos", PolicyParams(prune=prune), odd).decide(3000, view)
         counts.append(calls[0])
     assert counts[0] == counts[1] > 0
+
+
+def test_a_node_whose_own_model_has_no_bounds_has_every_node_priced(monkeypatch):
+    calls = _sweeps(monkeypatch)
+    view = _fleet(random.Random(8), 2, 64)
+    odd = replace(view.decode[5], model=replace(A100ISH, c_prefix=-1e-9))
+    counts = {}
+    for name, fleet in (
+        ("bounded", view),
+        ("odd", ClusterView(view.prefill, (*view.decode[:5], odd, *view.decode[6:]))),
+    ):
+        for prune in (True, False):
+            policy = make_policy("kairos", PolicyParams(prune=prune), A100ISH)
+            first = policy.decide(3000, fleet)  # the index is built once views hold still between decisions
+            calls[0] = 0
+            policy.decide(3000, apply_decision(fleet, 3000, first, 100))
+            counts[name, prune] = calls[0]
+    assert counts["bounded", True] < counts["bounded", False]
+    assert counts["odd", True] == counts["odd", False] > 0
