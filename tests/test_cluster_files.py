@@ -14,7 +14,8 @@ from kairos_ray.serve.args import AppArgs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
-PAIRS = [("azure-1p1d.yaml", "1p1d.yaml"), ("azure-2p2d.yaml", "2p2d.yaml")]
+PAIRS = [("azure-1p1d.yaml", "1p1d.yaml"), ("azure-2p2d.yaml", "2p2d.yaml"), ("azure-2p2d-h100.yaml", "2p2d-h100.yaml")]
+VM_SIZES = {"A100": "Standard_ND96amsr_A100_v4", "H100": "Standard_ND96isr_H100_v5"}  # 8 GPUs of 80 GB each
 
 
 def load(path: Path) -> dict:
@@ -44,7 +45,9 @@ def test_node_groups_provide_what_the_pools_ask_for(cluster, serve_config):
         pool = app["args"][pool_key]["deployment_config"]
         wanted = pool["ray_actor_options"]
         node = node_types[group]
-        assert node["node_config"]["azure_arm_parameters"]["vmSize"] == "Standard_ND96amsr_A100_v4"
+        accelerator = app["args"][pool_key]["accelerator_type"]
+        assert node["node_config"]["azure_arm_parameters"]["vmSize"] == VM_SIZES[accelerator]
+        assert node["resources"][f"accelerator_type:{accelerator}"] == 1
         # one replica per VM: its placement group fits on one node of its group and on no node of another group
         assert wanted["resources"] == {resource: 1} and node["resources"][resource] == 1
         placement = getattr(args, pool_key).placement()

@@ -18,7 +18,8 @@ from .conftest import CONFIGS, args_of
 
 
 @pytest.mark.parametrize(
-    "name, nodes", [("2p2d-emulated.yaml", 2), ("2p2d-cpu.yaml", 2), ("2p2d.yaml", 2), ("1p1d.yaml", 1)]
+    "name, nodes",
+    [("2p2d-emulated.yaml", 2), ("2p2d-cpu.yaml", 2), ("2p2d.yaml", 2), ("2p2d-h100.yaml", 2), ("1p1d.yaml", 1)],
 )
 def test_shipped_configs_validate(name, nodes):
     args = AppArgs.model_validate(args_of(name))
@@ -29,7 +30,14 @@ def test_shipped_configs_validate(name, nodes):
 
 
 @pytest.mark.parametrize(
-    "name, exposed", [("2p2d-emulated.yaml", True), ("2p2d-cpu.yaml", True), ("2p2d.yaml", False), ("1p1d.yaml", False)]
+    "name, exposed",
+    [
+        ("2p2d-emulated.yaml", True),
+        ("2p2d-cpu.yaml", True),
+        ("2p2d.yaml", False),
+        ("2p2d-h100.yaml", False),
+        ("1p1d.yaml", False),
+    ],
 )
 def test_shipped_configs_bound_every_request_and_show_routes_only_locally(name, exposed):
     config = yaml.safe_load((CONFIGS / name).read_text())
@@ -40,15 +48,23 @@ def test_shipped_configs_bound_every_request_and_show_routes_only_locally(name, 
     assert args.kairos.admission.mode is AdmissionMode.SHED  # past capacity, a fast 429 rather than a queue
 
 
-@pytest.mark.parametrize("name", ["2p2d.yaml", "1p1d.yaml"])
-def test_production_configs_name_a100_nodes_and_build(name):
+@pytest.mark.parametrize(
+    "name, accelerator, profile",
+    [
+        ("2p2d.yaml", "A100", "a100-deepseek-v2-lite"),
+        ("1p1d.yaml", "A100", "a100-deepseek-v2-lite"),
+        ("2p2d-h100.yaml", "H100", "h100-deepseek-v2-lite"),
+    ],
+)
+def test_production_configs_name_their_gpus_and_profile_and_build(name, accelerator, profile):
     args = AppArgs.model_validate(args_of(name))
+    assert args.kairos.predictor.profile == profile
     for pool in (args.prefill_config, args.decode_config):
-        assert pool.engine == "vllm" and pool.accelerator_type == "A100"
+        assert pool.engine == "vllm" and pool.accelerator_type == accelerator
         assert pool.engine_kwargs["tensor_parallel_size"] == 8
         placement = pool.placement()  # as Ray Serve LLM places it: a GPU bundle per tensor-parallel worker
         assert placement.gpu and placement.strategy == "STRICT_PACK" and len(placement.bundles) == 8
-        assert all(b["GPU"] == 1 and b["accelerator_type:A100"] > 0 for b in placement.bundles)
+        assert all(b["GPU"] == 1 and b[f"accelerator_type:{accelerator}"] > 0 for b in placement.bundles)
     assert build_app(args) is not None  # the application graph builds; its replicas need the GPU nodes
 
 
