@@ -158,7 +158,7 @@ class StepRecord:
     kv_tokens: int  # K: KV tokens resident on the node
     chunk_tokens: int  # chi: prefill tokens computed in the step
     measured_s: float  # wall time of the step
-    predicted_s: float  # the node's step-latency model for the same features (0.0 without a model)
+    predicted_s: float  # a step-latency model's time for the same features: the node's, then the router's
     prefix_tokens: int = 0  # P: the chunk's own prefix (its request's tokens prefilled before this step)
 
 
@@ -264,7 +264,8 @@ class NodeLive:
     committed_deflections: int  # decode: deflections routed here, not prefilled yet
     num_steps: int  # steps the node reported in the window
     step_measured_s: float  # their mean measured time (0.0 without steps)
-    step_predicted_s: float  # the step-latency model's mean for the same steps
+    step_predicted_s: float  # the router's step-latency model for this node: its mean for the same steps
+    step_error: float  # that model's mean absolute percentage error on them, a share (0.0 without steps)
     num_routed: int  # requests the router sent here in the window (decode: deflected or handed off)
     num_deflected: int  # decode: of those, deflected here (0 on a prefill node)
 

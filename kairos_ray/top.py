@@ -55,6 +55,7 @@ def _node_row(node: NodeLive) -> list[str]:
     decode = node.role is Role.DECODE
     queue = f"{node.queued_requests}" + ("" if decode else f" ({_tokens(node.queued_prompt_tokens)} tok)")
     step = f"{1e3 * node.step_measured_s:.1f}/{1e3 * node.step_predicted_s:.1f}" if node.num_steps else "-"
+    error = f"{100 * node.step_error:.0f}%" if node.num_steps else "-"
     return [
         node.node_id,
         queue,
@@ -64,6 +65,7 @@ def _node_row(node: NodeLive) -> list[str]:
         f"{100 * node.kv_usage:.0f}%",
         str(node.committed_deflections) if decode else "-",
         step,
+        error,
         str(node.num_routed),
         _share(node.num_deflected, node.num_routed) if decode else "-",
         f"{node.report_age_s:.1f}",
@@ -78,7 +80,8 @@ COLUMNS = (  # (title, what it shows)
     ("KV free", "free KV tokens"),
     ("KV%", "share of the KV cache in use"),
     ("commit", "committed deflections, not prefilled yet"),
-    ("step ms", "mean step time over the window: measured/predicted"),
+    ("step ms", "mean step time over the window: measured/predicted by the model the router prices the node with"),
+    ("err", "that model's mean absolute percentage error on those steps"),
     ("routed", "requests the router sent here in the window"),
     ("defl", "of those, deflected here"),
     ("age s", "since the node's last report"),

@@ -136,7 +136,8 @@ class Policy(Protocol):
 
     spec: str
     params: PolicyParams
-    decode_model: StepLatency  # the step-latency model it prices decode nodes with (Eq. 4)
+    prefill_model: StepLatency  # the step-latency model it prices prefill nodes with (Eq. 1-2) ...
+    decode_model: StepLatency  # ... and decode nodes (Eq. 4-6), where a node's view carries none of its own
     guards_chunks: bool  # decode nodes re-check each planned chunk when it runs (Eq. 5 at run time)
     decides_with_ground_truth: bool  # the caller must pass the emulator's ground truth as the model
 

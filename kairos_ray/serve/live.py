@@ -110,6 +110,7 @@ class RouterWindow:
         routed = self.routed.values(now, node)
         measured = sum(s.measured_s for s in steps) / len(steps) if steps else 0.0
         predicted = sum(s.predicted_s for s in steps) / len(steps) if steps else 0.0
+        error = sum(abs(s.predicted_s - s.measured_s) / s.measured_s for s in steps) / len(steps) if steps else 0.0
         if isinstance(view, PrefillNodeView):
             queued_tokens = sum(view.queued_prompt_tokens) - view.head_prefilled_tokens
             queue = (view.num_queued, queued_tokens, 0, 0, 0, 0)
@@ -131,6 +132,7 @@ class RouterWindow:
             num_steps=len(steps),
             step_measured_s=measured,
             step_predicted_s=predicted,
+            step_error=error,
             num_routed=len(routed),
             num_deflected=routed.count(DEFLECTED),
         )

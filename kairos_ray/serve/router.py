@@ -33,7 +33,10 @@ decision's uncached part only. A report lost in between (a gap in a node's
 ``seq``) drops that node's mirror until its next full delta.
 
 ``RouterActor`` holds it, with metrics and the online refit of the
-step-latency model, behind plain Ray actor calls; ``Router`` is the Serve
+step-latency model, behind plain Ray actor calls; the steps a node reports
+are priced, for the metrics and the live view, with the model the router
+prices that node with (``priced_by``), not with the profile its engine was
+started with; ``Router`` is the Serve
 deployment (one replica) that owns that actor, watches it and hands out its
 handle (``serve.router_link``).
 """
@@ -61,6 +64,7 @@ from kairos_ray.core import (
     PrefillNodeView,
     PrefixHits,
     Route,
+    StepLatency,
     apply_decision,
     node_after,
     with_nodes,
@@ -327,6 +331,17 @@ class RouterState:
         return decision, staleness
 
 
+def priced_by(state: NodeState, model: StepLatency) -> NodeState:
+    """``state`` with each reported step's ``predicted_s`` from ``model``: what the router's decisions assume."""
+    if not state.steps:
+        return state
+    steps = tuple(
+        replace(s, predicted_s=model.step_s(s.batch_size, s.kv_tokens, s.chunk_tokens, s.prefix_tokens))
+        for s in state.steps
+    )
+    return replace(state, steps=steps)
+
+
 def _sent_to(decision: Decision) -> str:
     """The node a decision sends its request to: its prefill node, or the decode node it is deflected to."""
     node = decision.prefill_node if decision.route is Route.PREFILL else decision.decode_node
@@ -411,7 +426,9 @@ class RouterActor:
 
     def report(self, state: NodeState) -> None:
         self.state.report(state, time.monotonic())
-        self.metrics.node(state)
+        view, policy = state.view, self.state.policy
+        pool_model = policy.prefill_model if isinstance(view, PrefillNodeView) else policy.decode_model
+        self.metrics.node(priced_by(state, view.model or pool_model))
         if self.refit is not None:
             self.refit.add(state.steps)
             if self.refit.due:

@@ -45,6 +45,7 @@ def test_router_window_counts_where_decisions_sent_requests_and_averages_steps()
     assert (d.queued_requests, d.batch_size, d.kv_tokens, d.free_kv_tokens) == (2, 4, 1100, 5000)
     assert d.committed_deflections == 1
     assert d.num_steps == 2 and d.step_measured_s == pytest.approx(0.025) and d.step_predicted_s == pytest.approx(0.025)
+    assert d.step_error == pytest.approx((0.002 / 0.020 + 0.002 / 0.030) / 2)  # the model's error on those steps
     assert (d.num_routed, d.num_deflected, d.report_age_s) == (2, 1, 1.5)  # deflected here, then handed off
     assert (p.queued_requests, p.queued_prompt_tokens, p.num_routed, p.num_deflected) == (2, 400, 2, 0)
     assert p.num_steps == 0 and p.kv_usage == 0.25
@@ -105,7 +106,9 @@ def test_top_renders_a_line_per_node_and_the_last_minute():
     lines = console.export_text().splitlines()
     assert "policy kairos" in lines[0]
     (decode,) = [line for line in lines if line.startswith("decode-b ")]
-    assert decode.split() == ["decode-b", "0", "3", "20.0k", "900.0k", "0%", "0", "20.0/19.0", "1", "100", "%", "1.0"]
+    assert decode.split() == [
+        "decode-b", "0", "3", "20.0k", "900.0k", "0%", "0", "20.0/19.0", "5%", "1", "100", "%", "1.0"
+    ]  # fmt: skip
     (prefill,) = [line for line in lines if line.startswith("prefill-a ")]
     assert "1 (5000 tok)" in prefill
     assert "1 requests, 1 deflected (100 %), P95 TTFT 0.250 s" in lines[-2] and "1 rejected (overload 1)" in lines[-2]

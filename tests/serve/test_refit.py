@@ -77,3 +77,29 @@ def test_the_window_keeps_the_latest_steps():
     online.add([StepRecord(1, 10, 0, 0.001 * (i + 1), 0.0) for i in range(6)])
     assert online.num_samples == 4
     assert sorted(online.table().step_s) == pytest.approx([0.003, 0.004, 0.005, 0.006])  # the first two overwritten
+
+
+def test_reported_steps_are_priced_with_the_model_the_router_uses_in_the_live_view():
+    import time
+
+    from kairos_ray.config import KairosConfig
+    from kairos_ray.core import DecodeNodeView
+    from kairos_ray.messages import NodeState
+    from kairos_ray.serve.router import RouterActor
+    from kairos_ray.serve.types import RouterOptions
+
+    router = RouterActor(KairosConfig(), RouterOptions(refit_every_steps=300))
+    view = DecodeNodeView("d0", 0, 0, 1_000_000)
+    first = tuple(reports(ACTUAL, 300))  # the engine priced none of them (predicted_s 0.0)
+    router.report(NodeState(view, "host", 0.0, first))
+    (node,) = router.live().nodes
+    shipped = [SHIPPED.step_s(s.batch_size, s.kv_tokens, s.chunk_tokens) for s in first]
+    assert node.step_predicted_s == pytest.approx(np.mean(shipped))
+    assert node.step_error == pytest.approx(0.3 / 1.3, rel=0.1)  # the shipped profile, 30 % slow hardware
+    # those 300 steps were refit: what comes next is priced with the adopted model, whose error is the noise
+    router.report(NodeState(view, "host", 0.0, tuple(reports(ACTUAL, 50, seed=1))))
+    later = router.metrics.window.steps.values(time.monotonic(), "d0")[-50:]
+    assert [s.predicted_s for s in later] == [
+        router.model.step_s(s.batch_size, s.kv_tokens, s.chunk_tokens) for s in later
+    ]
+    assert np.mean([abs(s.predicted_s - s.measured_s) / s.measured_s for s in later]) < 0.03
