@@ -75,3 +75,85 @@ class OnlineRefit:
         candidate = fit(self.table(), tile_tokens=current.tile_tokens).model
         current_mape, refit_mape = self.mape(current), self.mape(candidate)
         return Refit(candidate if refit_mape < current_mape else None, current_mape, refit_mape)
+
+
+CALIBRATION_GAIN = 0.9
+"""A node's calibration is adopted when its MAPE on the node's steps is below this share of the current model's:
+a node the pool's model already fits keeps it, whatever the noise says."""
+
+NODE_WINDOW = 512
+"""Steps a node's calibration keeps (``NodeScales``): a few KB a node, whatever the fleet's traffic."""
+
+NODE_EVERY = 100
+"""A node is recalibrated at most every this many of its own steps: one parameter needs fewer than a refit."""
+
+
+class NodeScales:
+    """Each node's own speed on its pool's model: T_node = s_n x T_pool (Eq. 4 scaled), fitted to its own steps.
+
+    A pool's model is refit from every node's steps (``OnlineRefit``); nodes of one pool still differ (a GPU
+    of another kind, neighbours sharing its host), and one node's steps seldom cover Eq. 4's every feature
+    (a decode node without deflections reports no chunk), so a node borrows the pool model's shape and fits
+    only its scale: s_n is the median of measured / predicted over its last ``window`` steps, every ``every``
+    new ones, adopted when it predicts them clearly better (``CALIBRATION_GAIN``) than the model the node
+    is priced with (its pool's until then). ``scale`` is what the router's view of the node carries (``model_for``).
+    """
+
+    def __init__(self, every: int, window: int = NODE_WINDOW) -> None:
+        if every < 1 or window < 1:
+            raise ValueError(f"need every >= 1 and window >= 1, got every={every}, window={window}")
+        self.every, self.window = every, window
+        self._steps: dict[str, OnlineRefit] = {}
+        self.scale: dict[str, float] = {}  # node id -> its adopted scale (absent: priced with the pool's model)
+        self._models: dict[str, tuple[StepLatencyModel, float, StepLatencyModel]] = {}  # (pool, scale, model)
+
+    def add(self, node_id: str, steps: Iterable[StepRecord], pool: StepLatencyModel) -> Refit | None:
+        """Keep the node's steps; when its calibration is due, recalibrate it on ``pool`` (the refit, whether
+        adopted or not; None when not due)."""
+        kept = self._steps.get(node_id)
+        if kept is None:
+            kept = self._steps[node_id] = OnlineRefit(min(self.every, self.window), self.window)
+        kept.add(steps)
+        if not kept.due:
+            return None
+        kept.since_refit = 0
+        table = kept.table()
+        predicted = pool.step_s_array(table.batch_size, table.kv_tokens, table.chunk_tokens, table.prefix_tokens)
+        scale = float(np.median(table.step_s / predicted))
+        candidate, current = scaled(pool, scale), self.model_for(node_id, pool)
+        current_mape, candidate_mape = kept.mape(current), kept.mape(candidate)
+        better = candidate_mape < CALIBRATION_GAIN * current_mape
+        if better:
+            self.scale[node_id] = scale
+        return Refit(candidate if better else None, current_mape, candidate_mape)
+
+    def model_for(self, node_id: str, pool: StepLatencyModel) -> StepLatencyModel:
+        """The model ``node_id`` is priced with: the pool's, scaled by the node's adopted scale (the same object
+        while neither changes, as a policy's queue walks expect)."""
+        scale = self.scale.get(node_id)
+        if scale is None:
+            return pool
+        made = self._models.get(node_id)
+        if made is None or made[0] is not pool or made[1] != scale:
+            made = self._models[node_id] = (pool, scale, scaled(pool, scale))
+        return made[2]
+
+    def reset(self) -> None:
+        """The pool's model changed: every scale was fitted against the old one (each node recalibrates on the new
+        one when it is next due)."""
+        self.scale.clear()
+        self._models.clear()
+
+    def forget(self, node_id: str) -> None:
+        """A node left: its steps and scale go with it."""
+        self._steps.pop(node_id, None)
+        self.scale.pop(node_id, None)
+        self._models.pop(node_id, None)
+
+    def nodes(self) -> list[str]:
+        return list(self._steps)
+
+
+def scaled(model: StepLatencyModel, scale: float) -> StepLatencyModel:
+    """``model`` with every coefficient times ``scale`` (a node ``scale`` times slower, or faster below 1)."""
+    return StepLatencyModel.from_coefficients(model.coefficients * scale, model.tile_tokens)

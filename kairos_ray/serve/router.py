@@ -72,7 +72,7 @@ from kairos_ray.core import (
 from kairos_ray.heap import freeze_startup_heap
 from kairos_ray.messages import DecisionRequest, NodeState, PrefixDelta, Residue, RouterLive, RoutingReply, WireAddress
 from kairos_ray.serve.metrics import RouterMetrics
-from kairos_ray.serve.refit import OnlineRefit
+from kairos_ray.serve.refit import NODE_EVERY, NodeScales, OnlineRefit
 from kairos_ray.serve.types import LineOff, RouterOptions
 from kairos_ray.serve.wire import WireServer
 
@@ -375,6 +375,8 @@ class RouterActor:
         self.state = RouterState(policy, handoff_ttl_s=options.handoff_ttl_s)
         self.metrics = RouterMetrics()
         self.refit = OnlineRefit(options.refit_every_steps) if options.refit_every_steps else None
+        every = options.refit_every_steps
+        self.scales = NodeScales(min(every, NODE_EVERY)) if every else None  # each node's speed on the pool's model
         self.tcp_line = options.tcp_line
         self._server: WireServer | None = None
         self._wire: asyncio.Future[WireAddress] | None = None
@@ -425,6 +427,8 @@ class RouterActor:
         return replies
 
     def report(self, state: NodeState) -> None:
+        if self.scales is not None:
+            state = self._calibrated(state)
         self.state.report(state, time.monotonic())
         view, policy = state.view, self.state.policy
         pool_model = policy.prefill_model if isinstance(view, PrefillNodeView) else policy.decode_model
@@ -433,6 +437,25 @@ class RouterActor:
             self.refit.add(state.steps)
             if self.refit.due:
                 self._refit()
+
+    def _calibrated(self, state: NodeState) -> NodeState:
+        """``state`` with its view carrying the node's own model once its calibration is adopted
+        (``refit.NodeScales``: the pool's model scaled to the node's steps)."""
+        assert self.scales is not None
+        node, scales = state.node_id, self.scales
+        if state.steps:
+            if len(scales.nodes()) > len(self.state.states):
+                for gone in set(scales.nodes()) - set(self.state.states):
+                    scales.forget(gone)  # nodes that left the view
+            result = scales.add(node, state.steps, self.model)
+            if result is not None and result.model is not None:
+                logger.info(
+                    "kairos calibration of %s: step-latency MAPE %.1f %% -> %.1f %% (x %.2f of its pool's model)",
+                    node, 100 * result.current_mape, 100 * result.refit_mape, scales.scale[node],
+                )  # fmt: skip
+        if node not in scales.scale:
+            return state
+        return replace(state, view=replace(state.view, model=scales.model_for(node, self.model)))
 
     def _refit(self) -> None:
         """Adopt a model refit on the reported steps when it predicts them better (both pools' model)."""
@@ -445,6 +468,8 @@ class RouterActor:
                 100 * result.current_mape, 100 * result.refit_mape, self.refit.num_samples,
             )  # fmt: skip
             self.model = result.model
+            if self.scales is not None:
+                self.scales.reset()
             self.state.policy = self.config.build_policy(
                 self.state.policy.spec, model=self.model, hardware=self.hardware
             )

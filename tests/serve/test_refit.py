@@ -90,16 +90,66 @@ def test_reported_steps_are_priced_with_the_model_the_router_uses_in_the_live_vi
 
     router = RouterActor(KairosConfig(), RouterOptions(refit_every_steps=300))
     view = DecodeNodeView("d0", 0, 0, 1_000_000)
-    first = tuple(reports(ACTUAL, 300))  # the engine priced none of them (predicted_s 0.0)
+    first = tuple(reports(ACTUAL, 99))  # the engine priced none of them (predicted_s 0.0); nothing refit yet
     router.report(NodeState(view, "host", 0.0, first))
     (node,) = router.live().nodes
     shipped = [SHIPPED.step_s(s.batch_size, s.kv_tokens, s.chunk_tokens) for s in first]
     assert node.step_predicted_s == pytest.approx(np.mean(shipped))
     assert node.step_error == pytest.approx(0.3 / 1.3, rel=0.1)  # the shipped profile, 30 % slow hardware
-    # those 300 steps were refit: what comes next is priced with the adopted model, whose error is the noise
-    router.report(NodeState(view, "host", 0.0, tuple(reports(ACTUAL, 50, seed=1))))
-    later = router.metrics.window.steps.values(time.monotonic(), "d0")[-50:]
-    assert [s.predicted_s for s in later] == [
-        router.model.step_s(s.batch_size, s.kv_tokens, s.chunk_tokens) for s in later
-    ]
+
+    def priced(count, seed):
+        router.report(NodeState(view, "host", 0.0, tuple(reports(ACTUAL, count, seed=seed))))
+        return router.metrics.window.steps.values(time.monotonic(), "d0")[-count:]
+
+    priced(1, 1)  # the node's 100th step: calibrated on its own steps
+    assert router.scales is not None
+    model = router.scales.model_for("d0", router.model)
+    assert model is not router.model
+    later = priced(50, 2)
+    assert [s.predicted_s for s in later] == [model.step_s(s.batch_size, s.kv_tokens, s.chunk_tokens) for s in later]
     assert np.mean([abs(s.predicted_s - s.measured_s) / s.measured_s for s in later]) < 0.03
+    # at 300 steps the pool's model is refit; the node's scale, fitted against the old one, is dropped
+    priced(150, 3)
+    assert not router.scales.scale
+    assert router.model.step_s(64, 200_000, 512) == pytest.approx(ACTUAL.step_s(64, 200_000, 512), rel=0.05)
+    last = priced(20, 4)
+    assert [s.predicted_s for s in last] == [
+        router.model.step_s(s.batch_size, s.kv_tokens, s.chunk_tokens) for s in last
+    ]
+
+
+def test_a_node_slower_than_its_pool_is_calibrated_and_decided_on_with_its_own_scale():
+    from kairos_ray.config import KairosConfig
+    from kairos_ray.core import DecodeNodeView, PrefillNodeView
+    from kairos_ray.messages import NodeState
+    from kairos_ray.serve.router import RouterActor
+    from kairos_ray.serve.types import RouterOptions
+
+    router = RouterActor(KairosConfig(), RouterOptions(refit_every_steps=1000))  # the pool's refit not yet due
+    slow, usual = DecodeNodeView("slow", 0, 0, 1_000_000), DecodeNodeView("usual", 0, 0, 1_000_000)
+    router.report(NodeState(PrefillNodeView("p0"), "host", 0.0))
+    for i in range(4):  # each node recalibrated every 100 of its steps
+        router.report(NodeState(slow, "host", 0.0, tuple(reports(ACTUAL, 100, seed=i))))
+        router.report(NodeState(usual, "host", 0.0, tuple(reports(SHIPPED, 100, seed=10 + i))))
+    assert router.scales is not None and router.scales.scale["slow"] == pytest.approx(1.3, rel=0.02)
+    assert "usual" not in router.scales.scale  # its pool's model fits it: priced with that
+    views = {n.node_id: n for n in router.state.view(0.0)[0].decode}
+    assert views["usual"].model is None
+    slow_model = views["slow"].model
+    assert slow_model.step_s(64, 200_000, 512) == pytest.approx(1.3 * SHIPPED.step_s(64, 200_000, 512), rel=0.02)
+    # a node that leaves takes its calibration with it
+    router.state.forget_silent_nodes(float("inf"))
+    router.report(NodeState(usual, "host", 0.0, tuple(reports(SHIPPED, 1))))
+    assert router.scales.nodes() == ["usual"] and not router.scales.scale
+
+
+def test_a_calibration_is_adopted_only_when_it_predicts_the_nodes_steps_better():
+    from kairos_ray.serve.refit import NodeScales
+
+    scales = NodeScales(every=50, window=100)
+    assert scales.add("d0", reports(SHIPPED, 49), SHIPPED) is None  # not due yet
+    result = scales.add("d0", reports(SHIPPED, 1, seed=3), SHIPPED)
+    assert result is not None and result.model is None and "d0" not in scales.scale  # already right: kept
+    result = scales.add("d0", reports(ACTUAL, 100, seed=4), SHIPPED)  # the window now holds the slow steps only
+    assert result is not None and result.model is not None and scales.scale["d0"] == pytest.approx(1.3, rel=0.02)
+    assert scales.model_for("d0", SHIPPED) is scales.model_for("d0", SHIPPED)  # one object while nothing changes
