@@ -77,9 +77,9 @@ class OnlineRefit:
         return Refit(candidate if refit_mape < current_mape else None, current_mape, refit_mape)
 
 
-CALIBRATION_GAIN = 0.9
-"""A node's calibration is adopted when its MAPE on the node's steps is below this share of the current model's:
-a node the pool's model already fits keeps it, whatever the noise says."""
+SCALE_STEP = 0.05
+"""A node's new scale is considered only when it differs from its current one (1: the pool's model) by more than
+this share: a node the model already fits keeps it, whatever the noise says."""
 
 NODE_WINDOW = 512
 """Steps a node's calibration keeps (``NodeScales``): a few KB a node, whatever the fleet's traffic."""
@@ -95,8 +95,8 @@ class NodeScales:
     of another kind, neighbours sharing its host), and one node's steps seldom cover Eq. 4's every feature
     (a decode node without deflections reports no chunk), so a node borrows the pool model's shape and fits
     only its scale: s_n is the median of measured / predicted over its last ``window`` steps, every ``every``
-    new ones, adopted when it predicts them clearly better (``CALIBRATION_GAIN``) than the model the node
-    is priced with (its pool's until then). ``scale`` is what the router's view of the node carries (``model_for``).
+    new ones, adopted when it moved by more than ``SCALE_STEP`` and predicts them better than the model the
+    node is priced with (its pool's until then). The router's view of the node carries ``model_for``'s model.
     """
 
     def __init__(self, every: int, window: int = NODE_WINDOW) -> None:
@@ -122,7 +122,8 @@ class NodeScales:
         scale = float(np.median(table.step_s / predicted))
         candidate, current = scaled(pool, scale), self.model_for(node_id, pool)
         current_mape, candidate_mape = kept.mape(current), kept.mape(candidate)
-        better = candidate_mape < CALIBRATION_GAIN * current_mape
+        moved = abs(scale / self.scale.get(node_id, 1.0) - 1) > SCALE_STEP
+        better = moved and candidate_mape < current_mape
         if better:
             self.scale[node_id] = scale
         return Refit(candidate if better else None, current_mape, candidate_mape)

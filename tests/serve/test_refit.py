@@ -153,3 +153,14 @@ def test_a_calibration_is_adopted_only_when_it_predicts_the_nodes_steps_better()
     result = scales.add("d0", reports(ACTUAL, 100, seed=4), SHIPPED)  # the window now holds the slow steps only
     assert result is not None and result.model is not None and scales.scale["d0"] == pytest.approx(1.3, rel=0.02)
     assert scales.model_for("d0", SHIPPED) is scales.model_for("d0", SHIPPED)  # one object while nothing changes
+
+
+def test_a_nodes_scale_follows_when_its_steps_slow_down():
+    from kairos_ray.serve.refit import NodeScales
+
+    scales = NodeScales(every=100, window=100)
+    scales.add("d0", reports(ACTUAL, 100), SHIPPED)
+    assert scales.scale["d0"] == pytest.approx(1.3, rel=0.02)
+    slower = StepLatencyModel.from_coefficients(SHIPPED.coefficients * 1.8, SHIPPED.tile_tokens)  # neighbours moved in
+    result = scales.add("d0", reports(slower, 100, seed=5), SHIPPED)
+    assert result is not None and result.model is not None and scales.scale["d0"] == pytest.approx(1.8, rel=0.02)
