@@ -137,7 +137,7 @@ def handoff_ttft_s(
             link_s = (node.incoming_transfer_tokens + setup_tokens * transfers) / tokens_per_s
             busy = min(1.0, link_s / ready_s) if ready_s > 0 else 1.0
             start_s = max(ready_s + busy * link_s / transfers, link_s)
-    batch_size, kv_tokens = node.batch_size + node.incoming_requests, node.kv_tokens + node.incoming_prompt_tokens
+    batch_size, kv_tokens = node.with_bound
     first_step_s = model.step_s(batch_size + 1, kv_tokens + prompt_tokens, 0)
     return start_s + transfer_s + first_step_s
 
@@ -174,7 +174,7 @@ def handoff_fits(
     room = node.headroom_kv_tokens - node.incoming_kv_tokens + held_tokens
     if room < prompt_tokens + output_tokens:
         return False
-    batch_size, kv_tokens = node.batch_size + node.incoming_requests, node.kv_tokens + node.incoming_prompt_tokens
+    batch_size, kv_tokens = node.with_bound
     chunk = prefix = 0
     if with_deflection and node.committed:
         hit = node.committed_cached_tokens[0] if node.committed_cached_tokens else 0
@@ -205,8 +205,8 @@ def kv_wait_s(
         return 0.0
     if node.finished_per_s <= 0:
         return math.inf
-    batch_size = node.batch_size + node.incoming_requests
-    ahead = _excess(model, batch_size, node.kv_tokens + node.incoming_prompt_tokens, budget_s) if batch_size else 0
+    batch_size, kv_tokens = node.with_bound
+    ahead = _excess(model, batch_size, kv_tokens, budget_s) if batch_size else 0
     return (ahead + 1 + KV_WAIT_SIGMAS * math.sqrt(ahead + 1)) / node.finished_per_s
 
 

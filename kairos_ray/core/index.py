@@ -423,8 +423,8 @@ class DecodeIndex(_Index):
         own = node.model
         model = own if isinstance(own, StepLatencyModel) and bounded(own) else self.model
         wait_s, batch_size, kv_tokens = planned_beside(model, node, self.protect, self.walks)
-        joined = node.batch_size + node.incoming_requests + 1
-        first_step_s = batch_cost_s(model, joined) + model.c_kv * (node.kv_tokens + node.incoming_prompt_tokens)
+        bound_batch, bound_kv = node.with_bound
+        first_step_s = batch_cost_s(model, bound_batch + 1) + model.c_kv * bound_kv
         link = (link_tokens(node, self.setup_tokens), node.incoming_requests, -node.headroom_kv_tokens)
         return DecodeEntry(
             node, model, wait_s, batch_size, kv_tokens, batch_cost_s(model, batch_size), first_step_s, link
@@ -478,10 +478,8 @@ class PrefillIndex(_Index):
         if not usable:
             return False
         if changed is None:
-            self.waits, self.models, self.by_wait = [], [], {}
+            self.waits, self.models, self.by_wait = [0.0] * len(nodes), [self.model] * len(nodes), {}
             for i, node in enumerate(nodes):
-                self.waits.append(0.0)
-                self.models.append(self.model)
                 self._add(i, node)
             return True
         for i in changed:
@@ -493,7 +491,7 @@ class PrefillIndex(_Index):
         return True
 
     def _add(self, position: int, node: PrefillNodeView) -> None:
-        model = node.model or self.model
+        model = node.model or self.model  # as ``Policy.model_of`` prices it
         wait_s = self.queue_wait(model, node, self.chunk_tokens, self.walks)
         self.waits[position], self.models[position] = wait_s, model
         pairs = self.by_wait.get(model)

@@ -165,6 +165,10 @@ class Policy(Protocol):
         as for ``chunk_guard``."""
         ...
 
+    def model_of(self, node: PrefillNodeView | DecodeNodeView) -> StepLatency:
+        """The model it prices ``node`` with: the node's own, else its pool's."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Thresholds:
@@ -293,9 +297,8 @@ class _BasePolicy:
             return None
         return join_guard(model or self.decode_model, self.params.tbt_budget_s)
 
-    def _decode_model(self, node: DecodeNodeView) -> StepLatency:
-        """The model ``node`` is priced with: its own, else its pool's."""
-        return node.model or self.decode_model
+    def model_of(self, node: PrefillNodeView | DecodeNodeView) -> StepLatency:
+        return node.model or (self.prefill_model if isinstance(node, PrefillNodeView) else self.decode_model)
 
     def _best_prefill(
         self, prompt_tokens: int, output_tokens: int, view: ClusterView, hits: PrefixHits | None
@@ -331,8 +334,7 @@ class _BasePolicy:
         best, best_s, best_cached = view.prefill[0], math.inf, 0
         for node in view.prefill:
             cached = hits.at(node.node_id) if hits else 0
-            model = node.model or self.prefill_model
-            seconds = self._estimate(model, node, prompt_tokens, chunk, cached, self._prefill_walks)
+            seconds = self._estimate(self.model_of(node), node, prompt_tokens, chunk, cached, self._prefill_walks)
             if seconds < best_s:
                 best, best_s, best_cached = node, seconds, cached
         return best, best_s, best_cached
@@ -382,7 +384,7 @@ class _BasePolicy:
         def price(position: int, tokens_held: int) -> None:
             nonlocal best, best_at
             node = view.decode[position]
-            model = self._decode_model(node)
+            model = self.model_of(node)
             wait_s = kv_wait_s(model, node, prompt_tokens, budget_s, tokens_held, output_tokens)
             seconds = handoff_ttft_s(model, node, prefill.ttft_s, wait_s, prompt_tokens, tokens_held, setup, rate)
             if best.target is None or (seconds, position) < (best.ttft_s, best_at):
@@ -438,7 +440,7 @@ class _BasePolicy:
             if node.headroom_kv_tokens < prompt_tokens - cached + output_tokens:
                 lacking_kv += 1
                 continue
-            model = self._decode_model(node)
+            model = self.model_of(node)
             wait_s, batch_size, kv_tokens = planned_beside(model, node, protect, self._decode_walks)
             if protect and not joined_step_fits(model, batch_size, kv_tokens, prompt_tokens, budget_s):
                 infeasible += 1
@@ -546,7 +548,7 @@ class _BasePolicy:
             return n.headroom_kv_tokens - n.incoming_kv_tokens + held(n.node_id)
 
         def fits(n: DecodeNodeView, tokens_held: int) -> bool:
-            model = self._decode_model(n)
+            model = self.model_of(n)
             return handoff_fits(model, n, prompt_tokens, budget_s, tokens_held, output_tokens=output_tokens)
 
         index = self._indexed_decode(view)

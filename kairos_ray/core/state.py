@@ -107,6 +107,11 @@ class DecodeNodeView:
         """Free KV once committed deflections have been prefilled."""
         return self.free_kv_tokens - self.committed_tokens
 
+    @property
+    def with_bound(self) -> tuple[int, int]:
+        """(B, K) once the hand-offs bound here have joined: their prompts resident (Eq. 4's K), outputs to come."""
+        return self.batch_size + self.incoming_requests, self.kv_tokens + self.incoming_prompt_tokens
+
 
 @dataclass(frozen=True, slots=True)
 class ClusterView:

@@ -154,6 +154,9 @@ class NodeScales:
     def nodes(self) -> list[str]:
         return list(self._steps)
 
+    def __len__(self) -> int:
+        return len(self._steps)
+
 
 def scaled(model: StepLatencyModel, scale: float) -> StepLatencyModel:
     """``model`` with every coefficient times ``scale`` (a node ``scale`` times slower, or faster below 1)."""

@@ -430,9 +430,7 @@ class RouterActor:
         if self.scales is not None:
             state = self._calibrated(state)
         self.state.report(state, time.monotonic())
-        view, policy = state.view, self.state.policy
-        pool_model = policy.prefill_model if isinstance(view, PrefillNodeView) else policy.decode_model
-        self.metrics.node(priced_by(state, view.model or pool_model))
+        self.metrics.node(priced_by(state, self.state.policy.model_of(state.view)))
         if self.refit is not None:
             self.refit.add(state.steps)
             if self.refit.due:
@@ -444,7 +442,7 @@ class RouterActor:
         assert self.scales is not None
         node, scales = state.node_id, self.scales
         if state.steps:
-            if len(scales.nodes()) > len(self.state.states):
+            if len(scales) > len(self.state.states):
                 for gone in set(scales.nodes()) - set(self.state.states):
                     scales.forget(gone)  # nodes that left the view
             result = scales.add(node, state.steps, self.model)

@@ -272,7 +272,7 @@ class ClusterSim:
         )
         cache = node.cache
         held = cache.cached_tokens(job.block_hashes, job.prompt_tokens) if cache and job.block_hashes else 0
-        model, budget_s = node.model or self.policy.decode_model, self.policy.params.tbt_budget_s
+        model, budget_s = self.policy.model_of(view), self.policy.params.tbt_budget_s
         return handoff_fits(model, view, job.prompt_tokens, budget_s, held, True, job.output_tokens)
 
     def _send(self, job: Job) -> None:

@@ -163,6 +163,9 @@ class Recording:
     def join_guard(self, model=None):
         return self.policy.join_guard(model)
 
+    def model_of(self, node):
+        return self.policy.model_of(node)
+
     def decide(
         self,
         prompt_tokens: int,
