@@ -95,8 +95,11 @@ class NodeScales:
     of another kind, neighbours sharing its host), and one node's steps seldom cover Eq. 4's every feature
     (a decode node without deflections reports no chunk), so a node borrows the pool model's shape and fits
     only its scale: s_n is the median of measured / predicted over its last ``window`` steps, every ``every``
-    new ones, adopted when it moved by more than ``SCALE_STEP`` and predicts them better than the model the
-    node is priced with (its pool's until then). The router's view of the node carries ``model_for``'s model.
+    new ones, adopted when it moved by more than ``SCALE_STEP`` from the scale the node is priced with and
+    predicts its steps better. Until a node has its own, it is priced with the median scale of its group's
+    calibrated nodes (a node that has not run yet shares its hosts' slowdown, so a calibrated node is not
+    ranked below an idle sibling priced at the profile's speed); with none, with the pool's model. The
+    router's view of the node carries ``model_for``'s model.
     """
 
     def __init__(self, every: int, window: int = NODE_WINDOW) -> None:
@@ -104,15 +107,18 @@ class NodeScales:
             raise ValueError(f"need every >= 1 and window >= 1, got every={every}, window={window}")
         self.every, self.window = every, window
         self._steps: dict[str, OnlineRefit] = {}
-        self.scale: dict[str, float] = {}  # node id -> its adopted scale (absent: priced with the pool's model)
+        self._group: dict[str, str] = {}  # node id -> its group (the nodes a node borrows a scale from)
+        self.scale: dict[str, float] = {}  # node id -> its adopted scale (absent: priced with its group's)
+        self._group_scale: dict[str, float] = {}  # group -> the median of its nodes' adopted scales
         self._models: dict[str, tuple[StepLatencyModel, float, StepLatencyModel]] = {}  # (pool, scale, model)
 
-    def add(self, node_id: str, steps: Iterable[StepRecord], pool: StepLatencyModel) -> Refit | None:
+    def add(self, node_id: str, group: str, steps: Iterable[StepRecord], pool: StepLatencyModel) -> Refit | None:
         """Keep the node's steps; when its calibration is due, recalibrate it on ``pool`` (the refit, whether
         adopted or not; None when not due)."""
         kept = self._steps.get(node_id)
         if kept is None:
             kept = self._steps[node_id] = OnlineRefit(min(self.every, self.window), self.window)
+            self._group[node_id] = group
         kept.add(steps)
         if not kept.due:
             return None
@@ -120,36 +126,53 @@ class NodeScales:
         table = kept.table()
         predicted = pool.step_s_array(table.batch_size, table.kv_tokens, table.chunk_tokens, table.prefix_tokens)
         scale = float(np.median(table.step_s / predicted))
-        candidate, current = scaled(pool, scale), self.model_for(node_id, pool)
+        candidate, current = scaled(pool, scale), self.model_for(node_id, group, pool)
         current_mape, candidate_mape = kept.mape(current), kept.mape(candidate)
-        moved = abs(scale / self.scale.get(node_id, 1.0) - 1) > SCALE_STEP
+        moved = abs(scale / self.scale_of(node_id, group) - 1) > SCALE_STEP
         better = moved and candidate_mape < current_mape
         if better:
             self.scale[node_id] = scale
+            self._regroup(group)
         return Refit(candidate if better else None, current_mape, candidate_mape)
 
-    def model_for(self, node_id: str, pool: StepLatencyModel) -> StepLatencyModel:
-        """The model ``node_id`` is priced with: the pool's, scaled by the node's adopted scale (the same object
+    def scale_of(self, node_id: str, group: str) -> float:
+        """The scale ``node_id`` of ``group`` is priced with: its own, else its group's, else 1 (the pool's
+        model)."""
+        own = self.scale.get(node_id)
+        return own if own is not None else self._group_scale.get(group, 1.0)
+
+    def model_for(self, node_id: str, group: str, pool: StepLatencyModel) -> StepLatencyModel:
+        """The model ``node_id`` of ``group`` is priced with: the pool's, scaled by ``scale_of`` (the same object
         while neither changes, as a policy's queue walks expect)."""
-        scale = self.scale.get(node_id)
-        if scale is None:
+        scale = self.scale_of(node_id, group)
+        if scale == 1.0:
             return pool
         made = self._models.get(node_id)
         if made is None or made[0] is not pool or made[1] != scale:
             made = self._models[node_id] = (pool, scale, scaled(pool, scale))
         return made[2]
 
+    def _regroup(self, group: str) -> None:
+        adopted = [s for node, s in self.scale.items() if self._group[node] == group]
+        if adopted:
+            self._group_scale[group] = float(np.median(adopted))
+        else:
+            self._group_scale.pop(group, None)
+
     def reset(self) -> None:
         """The pool's model changed: every scale was fitted against the old one (each node recalibrates on the new
         one when it is next due)."""
         self.scale.clear()
+        self._group_scale.clear()
         self._models.clear()
 
     def forget(self, node_id: str) -> None:
         """A node left: its steps and scale go with it."""
         self._steps.pop(node_id, None)
-        self.scale.pop(node_id, None)
         self._models.pop(node_id, None)
+        group = self._group.pop(node_id, None)
+        if self.scale.pop(node_id, None) is not None and group is not None:
+            self._regroup(group)
 
     def nodes(self) -> list[str]:
         return list(self._steps)

@@ -437,23 +437,24 @@ class RouterActor:
                 self._refit()
 
     def _calibrated(self, state: NodeState) -> NodeState:
-        """``state`` with its view carrying the node's own model once its calibration is adopted
-        (``refit.NodeScales``: the pool's model scaled to the node's steps)."""
+        """``state`` with its view carrying the model ``refit.NodeScales`` prices the node with (the pool's model
+        scaled to the node's steps, or to its role's calibrated nodes' until it has its own)."""
         assert self.scales is not None
-        node, scales = state.node_id, self.scales
+        node, group, scales = state.node_id, state.role.value, self.scales
         if state.steps:
             if len(scales) > len(self.state.states):
                 for gone in set(scales.nodes()) - set(self.state.states):
                     scales.forget(gone)  # nodes that left the view
-            result = scales.add(node, state.steps, self.model)
+            result = scales.add(node, group, state.steps, self.model)
             if result is not None and result.model is not None:
                 logger.info(
                     "kairos calibration of %s: step-latency MAPE %.1f %% -> %.1f %% (x %.2f of its pool's model)",
                     node, 100 * result.current_mape, 100 * result.refit_mape, scales.scale[node],
                 )  # fmt: skip
-        if node not in scales.scale:
+        model = scales.model_for(node, group, self.model)
+        if model is self.model:
             return state
-        return replace(state, view=replace(state.view, model=scales.model_for(node, self.model)))
+        return replace(state, view=replace(state.view, model=model))
 
     def _refit(self) -> None:
         """Adopt a model refit on the reported steps when it predicts them better (both pools' model)."""
@@ -500,7 +501,7 @@ class RouterActor:
 
     def use_policy(self, spec: str) -> str:
         """Decide with the policy ``spec`` names from now on, on the configured model and knobs (what the online
-        refit adopted so far is dropped, and the refit starts over); the spec before.
+        refit and the nodes' calibrations adopted so far are dropped, and both start over); the spec before.
 
         For what-if runs on a live app, and for tests that share one app across policies: each starts from the
         same router, whatever ran before.
@@ -509,6 +510,8 @@ class RouterActor:
         self.model = self.config.predictor.load()
         if self.refit is not None:
             self.refit = OnlineRefit(self.refit.every)
+        if self.scales is not None:
+            self.scales = NodeScales(self.scales.every, self.scales.window)
         self.state.policy = self.config.build_policy(spec, model=self.model, hardware=self.hardware)
         return before
 

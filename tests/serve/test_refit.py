@@ -103,7 +103,7 @@ def test_reported_steps_are_priced_with_the_model_the_router_uses_in_the_live_vi
 
     priced(1, 1)  # the node's 100th step: calibrated on its own steps
     assert router.scales is not None
-    model = router.scales.model_for("d0", router.model)
+    model = router.scales.model_for("d0", "decode", router.model)
     assert model is not router.model
     later = priced(50, 2)
     assert [s.predicted_s for s in later] == [model.step_s(s.batch_size, s.kv_tokens, s.chunk_tokens) for s in later]
@@ -132,9 +132,10 @@ def test_a_node_slower_than_its_pool_is_calibrated_and_decided_on_with_its_own_s
         router.report(NodeState(slow, "host", 0.0, tuple(reports(ACTUAL, 100, seed=i))))
         router.report(NodeState(usual, "host", 0.0, tuple(reports(SHIPPED, 100, seed=10 + i))))
     assert router.scales is not None and router.scales.scale["slow"] == pytest.approx(1.3, rel=0.02)
-    assert "usual" not in router.scales.scale  # its pool's model fits it: priced with that
+    # its pool's model fits it: it keeps its own scale of about 1, not its slow sibling's
+    assert router.scales.scale["usual"] == pytest.approx(1.0, rel=0.02)
     views = {n.node_id: n for n in router.state.view(0.0)[0].decode}
-    assert views["usual"].model is None
+    assert views["usual"].model.step_s(64, 200_000, 512) == pytest.approx(SHIPPED.step_s(64, 200_000, 512), rel=0.02)
     slow_model = views["slow"].model
     assert slow_model.step_s(64, 200_000, 512) == pytest.approx(1.3 * SHIPPED.step_s(64, 200_000, 512), rel=0.02)
     # a node that leaves takes its calibration with it
@@ -147,20 +148,65 @@ def test_a_calibration_is_adopted_only_when_it_predicts_the_nodes_steps_better()
     from kairos_ray.serve.refit import NodeScales
 
     scales = NodeScales(every=50, window=100)
-    assert scales.add("d0", reports(SHIPPED, 49), SHIPPED) is None  # not due yet
-    result = scales.add("d0", reports(SHIPPED, 1, seed=3), SHIPPED)
+    assert scales.add("d0", "decode", reports(SHIPPED, 49), SHIPPED) is None  # not due yet
+    result = scales.add("d0", "decode", reports(SHIPPED, 1, seed=3), SHIPPED)
     assert result is not None and result.model is None and "d0" not in scales.scale  # already right: kept
-    result = scales.add("d0", reports(ACTUAL, 100, seed=4), SHIPPED)  # the window now holds the slow steps only
+    # the window now holds the slow steps only
+    result = scales.add("d0", "decode", reports(ACTUAL, 100, seed=4), SHIPPED)
     assert result is not None and result.model is not None and scales.scale["d0"] == pytest.approx(1.3, rel=0.02)
-    assert scales.model_for("d0", SHIPPED) is scales.model_for("d0", SHIPPED)  # one object while nothing changes
+    model = scales.model_for("d0", "decode", SHIPPED)
+    assert scales.model_for("d0", "decode", SHIPPED) is model  # one object while nothing changes
 
 
 def test_a_nodes_scale_follows_when_its_steps_slow_down():
     from kairos_ray.serve.refit import NodeScales
 
     scales = NodeScales(every=100, window=100)
-    scales.add("d0", reports(ACTUAL, 100), SHIPPED)
+    scales.add("d0", "decode", reports(ACTUAL, 100), SHIPPED)
     assert scales.scale["d0"] == pytest.approx(1.3, rel=0.02)
     slower = StepLatencyModel.from_coefficients(SHIPPED.coefficients * 1.8, SHIPPED.tile_tokens)  # neighbours moved in
-    result = scales.add("d0", reports(slower, 100, seed=5), SHIPPED)
+    result = scales.add("d0", "decode", reports(slower, 100, seed=5), SHIPPED)
     assert result is not None and result.model is not None and scales.scale["d0"] == pytest.approx(1.8, rel=0.02)
+
+
+def test_a_node_without_its_own_scale_is_priced_with_its_groups_calibrated_nodes():
+    from kairos_ray.serve.refit import NodeScales
+
+    scales = NodeScales(every=100, window=100)
+    slower = StepLatencyModel.from_coefficients(SHIPPED.coefficients * 2.0, SHIPPED.tile_tokens)
+    scales.add("d0", "decode", reports(ACTUAL, 100), SHIPPED)
+    scales.add("d1", "decode", reports(slower, 100, seed=1), SHIPPED)
+    assert scales.add("d2", "decode", reports(slower, 10, seed=2), SHIPPED) is None  # too few steps of its own
+    # d2 shares its siblings' hosts: priced at their median (1.3 and 2.0), not at the profile's speed
+    assert scales.scale_of("d2", "decode") == pytest.approx(1.65, rel=0.02)
+    assert scales.model_for("d2", "decode", SHIPPED).step_s(8, 4096, 0) == pytest.approx(
+        1.65 * SHIPPED.step_s(8, 4096, 0), rel=0.02
+    )
+    assert scales.model_for("p0", "prefill", SHIPPED) is SHIPPED  # another group borrows nothing
+    # a node at the profile's speed among slow siblings adopts its own scale of about 1
+    result = scales.add("d3", "decode", reports(SHIPPED, 100, seed=3), SHIPPED)
+    assert result is not None and result.model is not None
+    assert scales.scale["d3"] == pytest.approx(1.0, rel=0.02)
+    assert scales.scale_of("d2", "decode") == pytest.approx(1.3, rel=0.02)  # median of 1.0, 1.3 and 2.0
+    scales.forget("d0")
+    assert scales.scale_of("d2", "decode") == pytest.approx(1.5, rel=0.02)  # median of 1.0 and 2.0
+    scales.reset()
+    assert scales.model_for("d2", "decode", SHIPPED) is SHIPPED
+
+
+def test_use_policy_starts_the_router_over_without_the_nodes_calibrations():
+    from kairos_ray.config import KairosConfig
+    from kairos_ray.core import DecodeNodeView, PrefillNodeView
+    from kairos_ray.messages import NodeState
+    from kairos_ray.serve.router import RouterActor
+    from kairos_ray.serve.types import RouterOptions
+
+    router = RouterActor(KairosConfig(), RouterOptions(refit_every_steps=1000))
+    router.report(NodeState(PrefillNodeView("p0"), "host", 0.0))
+    router.report(NodeState(DecodeNodeView("d0", 0, 0, 1_000_000), "host", 0.0, tuple(reports(ACTUAL, 100))))
+    assert router.scales is not None and router.scales.scale["d0"] == pytest.approx(1.3, rel=0.02)
+    router.use_policy(router.state.policy.spec)
+    assert router.scales is not None and not router.scales.scale and not router.scales.nodes()
+    router.report(NodeState(DecodeNodeView("d1", 0, 0, 1_000_000), "host", 0.0))
+    views = {n.node_id: n for n in router.state.view(0.0)[0].decode}
+    assert views["d1"].model is None  # priced with the pool's model again
