@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from kairos_ray.core import CacheDelta, Decision, DecodeNodeView, PrefillNodeView, Route
+from kairos_ray.core import CacheDelta, Decision, DecodeNodeView, PrefillNodeView, Route, StepLatencyModel
 
 if TYPE_CHECKING:  # vLLM's class; the emulated engines only read ``max_tokens``, which the request carries itself
     from vllm import SamplingParams
@@ -86,6 +86,9 @@ class EngineRequest:
     kv_receiver_cached_tokens: int = 0  # disaggregated: leading prompt tokens kv_receiver's cache holds (not sent)
     attempt: int = 0  # 0 for the first try; a retry or a migration runs as a new attempt (engines key on both)
     output_offset: int = 0  # tokens generated before a migration: this attempt's first token has this index
+    # the model the router priced its decode node with (RoutingReply.decode_model): that node's run-time chunk and
+    # join guards check with it (None: the node's configured profile)
+    decode_model: StepLatencyModel | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +232,9 @@ class RoutingReply:
     staleness_s: float  # age of the oldest engine report behind the decision
     fallback: bool = False  # the router could not decide: plain disaggregation on any nodes (counted)
     block_tokens: tuple[int, ...] = ()  # the nodes' prefix-cache block sizes: the ingress hashes prompts with them
+    # the step-latency model the decision priced its decode node with (the pool's, refit online, times the node's
+    # calibration): the node checks its chunks and joins at run time with the model its plan was made with
+    decode_model: StepLatencyModel | None = None
 
     @classmethod
     def fallback_for(cls, reason: str) -> RoutingReply:

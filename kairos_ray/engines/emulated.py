@@ -44,7 +44,7 @@ import zlib
 from collections.abc import AsyncIterator
 from typing import Self
 
-from kairos_ray.core import Guard, JoinGuard, JournaledBlockCache, StepLatency, StepLatencyModel, block_ids
+from kairos_ray.core import JournaledBlockCache, Policy, StepLatency, StepLatencyModel, block_ids
 from kairos_ray.emulation import ClusterHardware, GroundTruth, StepNoise
 from kairos_ray.engines import EngineUnhealthy, NodeSpec, check_schedule
 from kairos_ray.engines.reporting import StateReporter
@@ -75,8 +75,7 @@ class EmulatedEngine:
         prefill_chunk_tokens: int,
         reporter: StateReporter,
         transport: KVTransport,
-        guard: Guard | None = None,
-        join_guard: JoinGuard | None = None,
+        policy: Policy | None = None,
         time_scale: float = 1.0,
         kv_scale: int = 1000,
         seed: int = 0,
@@ -94,11 +93,13 @@ class EmulatedEngine:
             node_id,
             hardware.kv_capacity_tokens,
             hardware.max_batch_size,
-            guard,
+            policy.chunk_guard() if policy else None,
             record_durations=False,
             cache=self.cache,
-            join_guard=join_guard,
+            join_guard=policy.join_guard() if policy else None,
         )
+        self.policy = policy  # its run-time guards: the pool's model until a request names the router's (_follow)
+        self._guard_model: StepLatencyModel | None = None
         self.kv_recomputes = 0  # hand-offs whose KV was lost: recomputed here
         self._noise = StepNoise(seed, hardware.noise_cv)
         # Jobs are keyed by a node-local id: a retried or migrated request may come back to this node.
@@ -128,8 +129,7 @@ class EmulatedEngine:
             spec.prefill_chunk_tokens,
             StateReporter(spec.ray_node_id, model, spec.on_state, options.report_interval_s, options.report_refresh_s),
             build_transport(spec.node_id, "", options.kv_timeout_s, secret=spec.app_secret),
-            guard=spec.policy.chunk_guard(),
-            join_guard=spec.policy.join_guard(),
+            policy=spec.policy,
             time_scale=options.time_scale,
             kv_scale=options.kv_scale,
             seed=options.seed + zlib.crc32(spec.node_id.encode()),
@@ -243,6 +243,15 @@ class EmulatedEngine:
         self._breakdowns.pop(job_id, None)
         self._requests.pop(job_id, None)
 
+    def _follow(self, model: StepLatencyModel | None) -> None:
+        """Check chunks and joins from now on with ``model``, the one the router priced this node with for the
+        request (its calibration of the node; each request carries the latest), as a vLLM node does per request."""
+        if model is None or self.policy is None or model == self._guard_model:
+            return
+        self._guard_model = model
+        self.decode_node.guard = self.policy.chunk_guard(model)
+        self.decode_node.join_guard = self.policy.join_guard(model)
+
     def _job(self, request: EngineRequest, answer: bool) -> Job:
         """A job for ``request``, with its blocks' hashes when its prompt came as token ids (its answer's too on a
         decode node: they stay cached for the next turn)."""
@@ -353,6 +362,7 @@ class EmulatedEngine:
         self._requests[job.request_id] = request
         finished = False
         try:
+            self._follow(request.decode_model)
             if handoff is None:
                 check_schedule(request)
                 job.schedule = request.chunk_schedule

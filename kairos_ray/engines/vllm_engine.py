@@ -70,7 +70,7 @@ import ray
 from kairos_ray.core import DecodeNodeView, JournaledBlockCache, PrefillNodeView, StepLatencyModel
 from kairos_ray.engines import EngineUnhealthy, NodeSpec, check_schedule
 from kairos_ray.engines.reporting import StateReporter
-from kairos_ray.engines.vllm_args import GUARD_KEY, JOIN_KEY, SCHEDULE_KEY, guard_spec, join_spec
+from kairos_ray.engines.vllm_args import GUARD_KEY, JOIN_KEY, SCHEDULE_KEY, guard_spec, join_spec, priced_with
 from kairos_ray.engines.vllm_events import KVEventMirror, events_config, events_endpoint, mirrorable
 from kairos_ray.engines.vllm_worker import EXTENSION as SEEDED_CHUNKS
 from kairos_ray.kv import KAIROS_CONNECTOR, KVBytes, KVLost, KVTransport, build_transport
@@ -491,7 +491,7 @@ class VllmEngine:
             check_schedule(request)
             extra[SCHEDULE_KEY] = list(request.chunk_schedule)
             if self.guard:
-                extra[GUARD_KEY] = self.guard
+                extra[GUARD_KEY] = priced_with(self.guard, request.decode_model)
             self._committed[rid] = request.chunk_schedule
         else:
             kv_params = await self._kv_params(request, handoff)
@@ -502,7 +502,7 @@ class VllmEngine:
             if kv_params is not None:
                 extra["kv_transfer_params"] = kv_params
             if self.join_guard:
-                extra[JOIN_KEY] = self.join_guard
+                extra[JOIN_KEY] = priced_with(self.join_guard, request.decode_model)
         self.reporter.accepted(rid)
         self._active[rid] = request.prompt_tokens
         index = 0

@@ -364,6 +364,7 @@ class RequestRun:
         avoid = tuple(self._avoid)
         pools = self.dispatcher
         handoff = None
+        request = dataclasses.replace(request, decode_model=reply.decode_model)
         if decision.route is Route.DEFLECT:
             request = dataclasses.replace(request, chunk_schedule=decision.chunk_schedule)
         else:

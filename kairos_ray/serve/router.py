@@ -65,6 +65,7 @@ from kairos_ray.core import (
     PrefixHits,
     Route,
     StepLatency,
+    StepLatencyModel,
     apply_decision,
     node_after,
     with_nodes,
@@ -423,8 +424,18 @@ class RouterActor:
                 continue
             decision_s = time.perf_counter() - start
             self.metrics.decided(decision, decision_s, staleness)
-            replies.append(RoutingReply(decision, decision_s, staleness, block_tokens=self.state.block_tokens))
+            decode_model = self._priced_with(decision.decode_node)
+            block_tokens = self.state.block_tokens
+            replies.append(
+                RoutingReply(decision, decision_s, staleness, block_tokens=block_tokens, decode_model=decode_model)
+            )
         return replies
+
+    def _priced_with(self, node_id: str | None) -> StepLatencyModel | None:
+        """The linear model the router prices ``node_id`` with (None: no such node, or a model of another kind)."""
+        state = self.state.states.get(node_id) if node_id is not None else None
+        model = self.state.policy.model_of(state.view) if state is not None else None
+        return model if isinstance(model, StepLatencyModel) else None
 
     def report(self, state: NodeState) -> None:
         if self.scales is not None:

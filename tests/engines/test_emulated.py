@@ -113,6 +113,33 @@ def test_a_deflected_request_is_prefilled_in_place_per_its_schedule():
     assert after.view.batch_size == 0 and after.view.kv_tokens == 0 and after.view.committed == ()
 
 
+def test_a_deflection_is_guarded_with_the_model_the_router_priced_its_node_with():
+    """The request carries the router's model for the node (here 3x slower than the profile): the node's run-time
+    guard shrinks the planned 2,048-token chunk to what fits the TBT budget on that model, not the profile's."""
+    from kairos_ray.core import StepLatencyModel
+
+    pool = StepLatencyModel.load(PROFILE)
+    slow = StepLatencyModel.from_coefficients(pool.coefficients * 3, pool.tile_tokens)
+    guard = KairosConfig().build_policy().chunk_guard(slow)
+    assert guard is not None and guard(0, 0, 2048, 0) < 2048  # the profile's own guard runs it whole (above)
+    fits = guard(0, 0, 2048, 0)
+
+    async def scenario():
+        states = []
+        decode = engine(Role.DECODE, states)
+        await decode.start()
+        try:
+            priced = dataclasses.replace(request(9, 3000, schedule=(2048, 512, 440)), decode_model=slow)
+            events = await collect(decode, priced, None)
+            return events, states
+        finally:
+            await decode.shutdown()
+
+    events, states = asyncio.run(scenario())
+    chunks = [step.chunk_tokens for s in states for step in s.steps if step.chunk_tokens]
+    assert len(events) == 5 and chunks[0] == fits and sum(chunks) == 3000
+
+
 def test_kv_that_never_comes_is_recomputed_in_place():
     async def scenario():
         decode = engine(Role.DECODE, [], kv_timeout_s=0.5)

@@ -283,10 +283,17 @@ def test_a_deflected_request_runs_its_chunk_schedule_step_by_step(nodes):
     assert tuple(prefill_steps) == schedule
 
 
-def joined_under_a_tight_guard(run, prefill, decode, rid: int) -> tuple[list[int], list[int], list[str]]:
+TIGHT = StepLatencyModel(0.01, 0.001, 0, 0, 0, 0)  # a step of two decoding requests overruns 11.5 ms
+LOOSE = StepLatencyModel(0.001, 0.0001, 0, 0, 0, 0)  # one of 100 does not
+
+
+def joined_under_a_tight_guard(
+    run, prefill, decode, rid: int, priced_by_router: bool = False
+) -> tuple[list[int], list[int], list[str]]:
     """(the hand-off's tokens, the decoder's, whose each token was in order): a hand-off that arrives while
     another request decodes, on a decode node whose join guard a step of two decoding requests overruns
-    (10 ms + 1 ms per request against 11.5 ms)."""
+    (10 ms + 1 ms per request against 11.5 ms). ``priced_by_router``: the node's own guard is loose, and the
+    tight model comes with the hand-off as the one the router priced the node with (``decode_model``)."""
     order: list[str] = []
 
     async def stream(req, handoff, name):
@@ -302,13 +309,15 @@ def joined_under_a_tight_guard(run, prefill, decode, rid: int) -> tuple[list[int
         while not order:  # decoding: the hand-off comes while it has 255 tokens to go
             await asyncio.sleep(0.01)
         joiner = request(rid + 1, PROMPTS[1])
+        if priced_by_router:
+            joiner = dataclasses.replace(joiner, decode_model=TIGHT)
         handoff = await prefill.prefill(joiner)
         try:
             return await stream(joiner, handoff, "joiner"), await decoding
         finally:
             prefill.release(joiner.request_id)
 
-    decode.join_guard = join_spec(StepLatencyModel(0.01, 0.001, 0, 0, 0, 0), 0.0115)
+    decode.join_guard = join_spec(LOOSE if priced_by_router else TIGHT, 0.0115)
     try:
         joined, decoded = run(scenario())
     finally:
@@ -323,6 +332,15 @@ def test_a_handoff_joins_the_decode_batch_only_once_its_step_fits_the_budget(nod
     joined, decoded, order = joined_under_a_tight_guard(run, prefill, decode, 800)
     assert len(decoded) == 256 and joined == reference[1]
     assert order.index("joiner") == len(decoded)  # every token of the decoder came first
+
+
+def test_a_handoff_is_held_with_the_model_the_router_priced_its_node_with(nodes, reference):
+    """The node's configured profile would let the hand-off join at once; the router's calibrated model for the
+    node, carried by the request, does not: the guard checks with the router's."""
+    run, prefill, decode, _ = nodes
+    joined, decoded, order = joined_under_a_tight_guard(run, prefill, decode, 810, priced_by_router=True)
+    assert len(decoded) == 256 and joined == reference[1]
+    assert order.index("joiner") == len(decoded)
 
 
 def test_cpu_engines_of_a_host_spread_over_its_cores(monkeypatch):

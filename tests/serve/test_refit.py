@@ -138,6 +138,12 @@ def test_a_node_slower_than_its_pool_is_calibrated_and_decided_on_with_its_own_s
     assert views["usual"].model.step_s(64, 200_000, 512) == pytest.approx(SHIPPED.step_s(64, 200_000, 512), rel=0.02)
     slow_model = views["slow"].model
     assert slow_model.step_s(64, 200_000, 512) == pytest.approx(1.3 * SHIPPED.step_s(64, 200_000, 512), rel=0.02)
+    # a decision names the model it priced its decode node with: the node's run-time guards check with it
+    from kairos_ray.messages import DecisionRequest
+
+    (reply,) = router.decide_many([DecisionRequest(1, 2000, 8)])
+    assert reply.decision.decode_node in views
+    assert reply.decode_model == views[reply.decision.decode_node].model
     # a node that leaves takes its calibration with it
     router.state.forget_silent_nodes(float("inf"))
     router.report(NodeState(usual, "host", 0.0, tuple(reports(SHIPPED, 1))))

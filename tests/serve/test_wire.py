@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kairos_ray.core import CacheDelta, Decision, DecodeNodeView, PrefillNodeView, Route
+from kairos_ray.core import CacheDelta, Decision, DecodeNodeView, PrefillNodeView, Route, StepLatencyModel
 from kairos_ray.messages import DecisionRequest, NodeState, PrefixDelta, RoutingReply, StepRecord, WireAddress
 from kairos_ray.serve import wire
 from kairos_ray.serve.wire import (
@@ -40,6 +40,7 @@ REPLY = RoutingReply(
     0.02,
     fallback=True,
     block_tokens=(16, 32),
+    decode_model=StepLatencyModel(0.01, 1e-4, 2e-8, 3e-6, 1e-11, 2e-10, 3e-9, 7e-7, 1e-7, tile_tokens=16),
 )
 
 
@@ -200,7 +201,8 @@ decisions = st.builds(
     ints,
     ints,
 )
-replies = st.builds(RoutingReply, decisions, floats, floats, st.booleans(), int_tuples)
+models = st.builds(StepLatencyModel, *([floats] * 9), tile_tokens=st.integers(1, 512))
+replies = st.builds(RoutingReply, decisions, floats, floats, st.booleans(), int_tuples, st.none() | models)
 
 
 @given(states, st.lists(requests, max_size=4), st.lists(replies, max_size=4))
