@@ -113,31 +113,39 @@ def test_a_deflected_request_is_prefilled_in_place_per_its_schedule():
     assert after.view.batch_size == 0 and after.view.kv_tokens == 0 and after.view.committed == ()
 
 
-def test_a_deflection_is_guarded_with_the_model_the_router_priced_its_node_with():
-    """The request carries the router's model for the node (here 3x slower than the profile): the node's run-time
-    guard shrinks the planned 2,048-token chunk to what fits the TBT budget on that model, not the profile's."""
+@pytest.mark.parametrize("slower", [1, 3])
+def test_a_deflection_is_guarded_with_the_model_the_router_priced_its_node_with(slower):
+    """The request carries the router's model for the node (the profile's, or one 3x slower): beside a decoding
+    request, the node's run-time guard runs the planned 512-token chunk whole on the profile's model and shrinks it
+    to what fits the TBT budget on the slower one."""
     from kairos_ray.core import StepLatencyModel
 
     pool = StepLatencyModel.load(PROFILE)
-    slow = StepLatencyModel.from_coefficients(pool.coefficients * 3, pool.tile_tokens)
-    guard = KairosConfig().build_policy().chunk_guard(slow)
-    assert guard is not None and guard(0, 0, 2048, 0) < 2048  # the profile's own guard runs it whole (above)
-    fits = guard(0, 0, 2048, 0)
+    priced = StepLatencyModel.from_coefficients(pool.coefficients * slower, pool.tile_tokens)
+    guard = KairosConfig().build_policy().chunk_guard(priced)
+    assert guard is not None
+    fits = guard(1, 200, 512, 0)
+    assert (fits == 512) == (slower == 1)
 
     async def scenario():
         states = []
         decode = engine(Role.DECODE, states)
         await decode.start()
         try:
-            priced = dataclasses.replace(request(9, 3000, schedule=(2048, 512, 440)), decode_model=slow)
-            events = await collect(decode, priced, None)
+            decoder = request(10, 100, max_tokens=400, schedule=(100,))
+            stream = decode.generate(decoder, None)
+            await anext(stream)  # decoding from now on, for 399 more steps
+            deflected = dataclasses.replace(request(11, 1000, schedule=(512, 488)), decode_model=priced)
+            events = await collect(decode, deflected, None)
+            async for _ in stream:
+                pass
             return events, states
         finally:
             await decode.shutdown()
 
     events, states = asyncio.run(scenario())
     chunks = [step.chunk_tokens for s in states for step in s.steps if step.chunk_tokens]
-    assert len(events) == 5 and chunks[0] == fits and sum(chunks) == 3000
+    assert chunks[0] == 100 and chunks[1] == fits and sum(chunks[1:]) == 1000 and len(events) == 5
 
 
 def test_kv_that_never_comes_is_recomputed_in_place():

@@ -1,5 +1,5 @@
-"""Prefix-aware routing on real vLLM CPU engines: ``serve_configs/2p2d-cpu.yaml`` (the Kairos policy) on one prefill
-node and its two decode nodes.
+"""Prefix-aware routing on real vLLM CPU engines: ``serve_configs/2p2d-cpu.yaml`` on one prefill node and its two
+decode nodes.
 
 The engines publish their KV cache events to their actors, which report the
 changes to the router (``engines.vllm_events``); the ingress hashes each
@@ -7,6 +7,14 @@ prompt as vLLM does. A conversation's next turn, whose prompt is the last
 turn's prompt, its answer and a new message, must then be deflected by the
 router's own decision to the decode node that served the last turn, priced
 and run as the uncached suffix, and vLLM must find the history cached there.
+
+The router decides with prefix-aware SL (``sl:400+prefix``): it deflects a
+prompt whose uncached suffix on some decode node is short, to the node where
+its plan is fastest (here one step on the holder against seven elsewhere).
+Whether Kairos deflects such a turn at all depends on the engines' measured
+speeds (four engines share two cores here, and the router prices each node
+on its own steps), so its choice for a next turn is tested where step times
+are the model's (the emulated app, ``tests/serve/test_app.py``).
 """
 
 import random
@@ -14,7 +22,7 @@ import random
 import httpx
 import pytest
 
-from tests.serve.conftest import CPU_MODEL, args_of, use_policy, wait_for_prefix
+from tests.serve.conftest import CPU_MODEL, use_policy, wait_for_prefix
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
@@ -25,8 +33,8 @@ VOCAB = 1024  # the tiny model's
 
 @pytest.fixture(scope="module")
 def shipped_app(cpu_app):
-    """The vLLM CPU app deciding with the shipped policy (prefix-aware Kairos): (base URL, metrics URL)."""
-    use_policy(args_of("2p2d-cpu.yaml")["kairos"]["policy"]["name"])
+    """The vLLM CPU app deciding with prefix-aware SL (module docstring): (base URL, metrics URL)."""
+    use_policy("sl:400+prefix")
     return cpu_app
 
 
