@@ -37,9 +37,7 @@ def join_spec(model: StepLatency, tbt_budget_s: float) -> dict[str, Any]:
 def priced_with(spec: dict[str, Any], model: StepLatencyModel | None) -> dict[str, Any]:
     """A ``chunk_guard`` or ``join_guard`` arg checking with ``model`` (the one the router priced the request's
     node with, ``EngineRequest.decode_model``) instead of the node's configured profile; ``spec`` when None."""
-    if model is None:
-        return spec
-    return {**spec, "coefficients": [float(c) for c in model.coefficients], "tile_tokens": model.tile_tokens}
+    return spec if model is None else {**spec, **join_spec(model, spec["tbt_budget_s"])}
 
 
 def guard_spec(model: StepLatency, candidates: Sequence[int], tbt_budget_s: float) -> dict[str, Any]:
