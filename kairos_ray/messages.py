@@ -104,6 +104,7 @@ class KVHandoff:
     transport: str  # how the KV travels: object_store, gloo or nccl (a channel), or a vLLM connector's name
     cached_tokens: int = 0  # prompt tokens the prefill node's prefix cache held (not computed there)
     skipped_tokens: int = 0  # leading prompt tokens whose KV did not travel: the receiver's cache holds them
+    prompt_logprobs: PromptLogprobs = ()  # the prompt's logprobs, where the request asked for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +128,12 @@ class TokenLogprob:
     token_id: int
     token: str  # the token decoded as vLLM decodes it for logprobs
     logprob: float
+    rank: int = 0  # the token's rank in its position's distribution (1: the likeliest); shown for prompt tokens
+
+
+PromptLogprobs = tuple[tuple[TokenLogprob, ...], ...]
+"""A prompt's logprobs as vLLM computes them (``prompt_logprobs``): per prompt position, the prompt's token's entry
+first, then the likeliest ones; the first position has none (``()``, vLLM's None). Empty: none were asked for."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +150,9 @@ class TokenEvent:
     logprobs: tuple[TokenLogprob, ...] = ()  # requests with logprobs: vLLM's entries, the sampled token's first
     stop_reason: int | str | None = None  # on the last token: the stop string or token id that ended it, if any
     cached_tokens: int = 0  # on the first token, deflected: prompt tokens this node's prefix cache held
+    # on the first token, where the request asked for them: its prompt's logprobs, computed where the prompt was
+    # prefilled (this node when deflected, else the prefill node, whose hand-off carried them)
+    prompt_logprobs: PromptLogprobs = ()
 
 
 @dataclass(frozen=True, slots=True)

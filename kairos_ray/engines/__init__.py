@@ -14,13 +14,17 @@ names, from a ``NodeSpec`` (what every backend is told about its node).
 
 from __future__ import annotations
 
+import copy
 import importlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from kairos_ray.core import Policy
 from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role, TokenEvent
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
 
 ENGINES: dict[str, str] = {
     "emulated": "kairos_ray.engines.emulated:EmulatedEngine",
@@ -73,6 +77,18 @@ def check_schedule(request: EngineRequest) -> None:
             f"a deflected request needs a chunk schedule of at most its {request.prompt_tokens} "
             f"prompt tokens, got {schedule}"
         )
+
+
+def without_prompt_logprobs(sampling: SamplingParams | None) -> SamplingParams | None:
+    """``sampling`` for a run whose prompt's logprobs are computed once elsewhere (a hand-off's prefill node, a
+    request's first sample, a migration's first run): none asked for, and the prefix cache read as for any
+    request (vLLM skips it for a request with prompt logprobs, whose every position it must compute)."""
+    if sampling is None or sampling.prompt_logprobs is None:
+        return sampling
+    plain = copy.copy(sampling)
+    plain.prompt_logprobs = None
+    plain.skip_reading_prefix_cache = False
+    return plain
 
 
 class EngineUnhealthy(RuntimeError):

@@ -27,7 +27,7 @@ reports carry the cache's changes to the router (``engines.reporting``).
 
 What the emulated engine ignores of a request: its ``SamplingParams`` (the ingress parses and checks the request as for
 vLLM engines, ``serve.tokens``): it emits exactly ``max_tokens`` tokens
-(never an end of sequence, a stop string or stop token), with no logprobs,
+(never an end of sequence, a stop string or stop token), with no logprobs (of its tokens or the prompt's),
 whatever the temperature, seed, penalties or structured output asked for.
 """
 

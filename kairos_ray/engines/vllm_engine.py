@@ -45,6 +45,13 @@ the suffix the router found uncached here; the scheduler runs it after
 vLLM's own hit. The prompt tokens vLLM found cached go back with the
 hand-off (prefill node) or the first token (deflected).
 
+Prompt logprobs (``prompt_logprobs``, and ``echo`` with logprobs) are
+computed where the prompt is: on the prefill node, which returns them with
+the hand-off (the decode node, which computes only the last token, runs
+without them and puts them on the first token), or on the deflecting decode
+node. vLLM reads no prefix cache for such a request; the ingress sends the
+router no block hashes for it, so its schedule covers the whole prompt.
+
 Health: the heartbeat also pings the engine core (a utility call it answers
 between steps). Progress is the last step or answered ping; with none for
 ``stall_timeout_s`` (a stopped or wedged engine core), or once vLLM finds its
@@ -62,20 +69,29 @@ import os
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Self, cast
 
 import ray
 
 from kairos_ray.core import DecodeNodeView, JournaledBlockCache, PrefillNodeView, StepLatencyModel
-from kairos_ray.engines import EngineUnhealthy, NodeSpec, check_schedule
+from kairos_ray.engines import EngineUnhealthy, NodeSpec, check_schedule, without_prompt_logprobs
 from kairos_ray.engines.reporting import StateReporter
 from kairos_ray.engines.vllm_args import GUARD_KEY, JOIN_KEY, SCHEDULE_KEY, guard_spec, join_spec, priced_with
 from kairos_ray.engines.vllm_events import KVEventMirror, events_config, events_endpoint, mirrorable
 from kairos_ray.engines.vllm_worker import EXTENSION as SEEDED_CHUNKS
 from kairos_ray.kv import KAIROS_CONNECTOR, KVBytes, KVLost, KVTransport, build_transport
 from kairos_ray.kv.staging import HOLD_KEY, SKIP_TOKENS, Staging, node_staging, remote_decode_params
-from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role, TokenEvent, TokenLogprob, TTFTBreakdown
+from kairos_ray.messages import (
+    EngineRequest,
+    KVHandoff,
+    NodeState,
+    PromptLogprobs,
+    Role,
+    TokenEvent,
+    TokenLogprob,
+    TTFTBreakdown,
+)
 from kairos_ray.nodes import FinishRate
 
 logger = logging.getLogger("ray.serve")
@@ -371,12 +387,14 @@ class VllmEngine:
     # ---- the protocol -----------------------------------------------------------------------
 
     @staticmethod
-    def _sampling(request: EngineRequest, extra: dict[str, Any]) -> Any:
-        """The request's ``SamplingParams`` (vLLM's defaults without), streamed as deltas, plus Kairos's extra args."""
+    def _sampling(request: EngineRequest, extra: dict[str, Any], handed_off: bool) -> Any:
+        """The request's ``SamplingParams`` (vLLM's defaults without), streamed as deltas, plus Kairos's extra args;
+        ``handed_off``: its prompt was prefilled elsewhere, which computed the prompt's logprobs if it asked."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        params = request.sampling.clone() if request.sampling is not None else SamplingParams()
+        sampling = without_prompt_logprobs(request.sampling) if handed_off else request.sampling
+        params = sampling.clone() if sampling is not None else SamplingParams()
         params.max_tokens = request.max_tokens
         params.output_kind = RequestOutputKind.DELTA
         if extra:
@@ -405,17 +423,23 @@ class VllmEngine:
         # the Kairos connector leaves out the blocks the decode node's cache holds; another moves what it moves
         skip = request.kv_receiver_cached_tokens if self.connector == KAIROS_CONNECTOR else 0
         extra = {"kv_transfer_params": remote_decode_params(skip)}
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=extra)
+        # the prompt's logprobs, if asked for, are computed here, where its every position is (not on the decode node)
+        asked = request.sampling.prompt_logprobs if request.sampling is not None else None
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, detokenize=asked is not None, prompt_logprobs=asked, extra_args=extra
+        )
         if not self._queue:
             self._prefilled_since_head = 0
         self._queue[rid] = request.prompt_tokens
         self.reporter.accepted(rid)
         final = None
+        prompt_logprobs: PromptLogprobs = ()
         try:
             request_id = f"p{rid}.{request.attempt}"
             prompt = self._prompt(request)
             async for output in self.llm.generate(prompt, params, request_id=request_id, priority=request.priority):
                 final = output
+                prompt_logprobs = prompt_logprobs or _prompt_entries(output.prompt_logprobs)
         finally:
             self._pop_queue(rid)
         end_wall = time.time()
@@ -443,6 +467,7 @@ class VllmEngine:
             transport=transport,
             cached_tokens=final.num_cached_tokens or 0,
             skipped_tokens=skipped,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _pop_queue(self, rid: int) -> None:
@@ -507,7 +532,7 @@ class VllmEngine:
         self._active[rid] = request.prompt_tokens
         index = 0
         try:
-            params = self._sampling(request, extra)
+            params = self._sampling(request, extra, handed_off=handoff is not None)
             request_id = f"d{rid}.{request.attempt}"
             # vLLM merges the deltas a slow consumer has not taken yet: one output, every token ready
             async for output in self.llm.generate(prompt, params, request_id=request_id, priority=request.priority):
@@ -520,16 +545,19 @@ class VllmEngine:
                     finished = output.finished and last
                     breakdown = None
                     cached = 0
+                    prompt_logprobs: PromptLogprobs = ()
                     if index == 0:
                         self._uncommit(rid)
                         waited = time.time() - submitted
                         if handoff is None:  # prefilled here, in chunks
                             breakdown = TTFTBreakdown(prefill_exec_s=waited)
                             cached = output.num_cached_tokens or 0
+                            prompt_logprobs = _prompt_entries(output.prompt_logprobs)
                         else:
                             breakdown = TTFTBreakdown(
                                 earlier.prefill_queue_s, earlier.prefill_exec_s, earlier.kv_transfer_s, waited
                             )
+                            prompt_logprobs = handoff.prompt_logprobs
                     ready.append(
                         TokenEvent(
                             token,
@@ -542,6 +570,7 @@ class VllmEngine:
                             logprobs=_entries(logprobs[i]) if logprobs else (),
                             stop_reason=completion.stop_reason if finished else None,
                             cached_tokens=cached,
+                            prompt_logprobs=prompt_logprobs,
                         )
                     )
                     index += 1
@@ -593,7 +622,12 @@ class VllmEngine:
 
 def _entries(position: Mapping[int, Any]) -> tuple[TokenLogprob, ...]:
     """One position's logprobs (vLLM's ``{token id: Logprob}``, the sampled token's first) as ``TokenLogprob`` s."""
-    return tuple(TokenLogprob(tid, lp.decoded_token or "", lp.logprob) for tid, lp in position.items())
+    return tuple(TokenLogprob(tid, lp.decoded_token or "", lp.logprob, lp.rank) for tid, lp in position.items())
+
+
+def _prompt_entries(positions: Sequence[Mapping[int, Any] | None] | None) -> PromptLogprobs:
+    """vLLM's prompt logprobs (None at the first position) as ``PromptLogprobs`` (``()`` where vLLM has None)."""
+    return tuple(_entries(position) if position else () for position in positions or ())
 
 
 def _free_port() -> int:

@@ -33,8 +33,9 @@ Prefix identity: each decision request carries the prompt's chained block
 hashes (``core.prefix.block_ids``, as vLLM's KV events name blocks) for each
 block size the router's last reply named, hashed here rather than in the
 single router replica. Prompts without token ids (text prompts to emulated
-engines) and salted ones (``cache_salt``, which vLLM hashes in as an extra
-key) carry none: the router prices them cache-blind.
+engines), salted ones (``cache_salt``, which vLLM hashes in as an extra
+key) and those whose engines read no cache (prompt logprobs) carry none: the
+router prices them cache-blind.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 from ray.serve.handle import DeploymentHandle
 
 from kairos_ray.core import Admission, Route, block_ids
+from kairos_ray.engines import without_prompt_logprobs
 from kairos_ray.messages import DecisionRequest, EngineRequest, KVHandoff, RoutingReply, TokenEvent, TTFTBreakdown
 from kairos_ray.serve.delivery import apart
 from kairos_ray.serve.metrics import IngressMetrics
@@ -257,7 +259,11 @@ class Dispatcher:
         """The prompt's block hashes per block size the nodes cache with (empty: no prefix identity); hashed
         once for the ``PROMPTS_HASHED_KEPT`` latest prompts (about 8 ms for 30,000 tokens in 16-token blocks)."""
         ids = request.prompt_token_ids
-        if not ids or request.cache_salt is not None:
+        if (
+            not ids
+            or request.cache_salt is not None
+            or (request.sampling and request.sampling.skip_reading_prefix_cache)
+        ):
             return {}
         kept = self._hashed.get(id(ids))
         if kept is not None and kept[0] is ids and kept[1] == self.block_tokens:
@@ -501,11 +507,12 @@ class RequestRun:
         raise StreamBroken(f"its decode nodes failed, {self.migrations} migrations", cause)
 
     def _continuation(self) -> EngineRequest:
-        """The request as a new prompt: the original prompt plus the tokens already sent, ``min_tokens`` shrunk."""
+        """The request as a new prompt: the original prompt plus the tokens already sent, ``min_tokens`` shrunk,
+        no prompt logprobs (the first run's were sent)."""
         original = self.request
         done = len(self.sent)
         ids = original.prompt_token_ids + tuple(self.sent) if original.prompt_token_ids else ()
-        sampling = original.sampling
+        sampling = without_prompt_logprobs(original.sampling)
         if sampling is not None and sampling.min_tokens:
             sampling = sampling.clone()
             sampling.min_tokens = max(0, sampling.min_tokens - done)

@@ -36,6 +36,7 @@ behind the API key; no engine is called.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -144,7 +145,8 @@ async def _started(runs: list[RequestRun], prompts: tuple[PreparedRequest, ...])
     """The first tokens of each of a request's runs (a prompt's ``n`` samples in a row): the prompts' first
     samples at once, each prompt's other samples once its first sample's KV is built, the router told which
     decode node holds that KV (before the node's own report says so), so that a prefix-aware policy prices them
-    there as the prompt's uncached suffix rather than build its KV again."""
+    there as the prompt's uncached suffix rather than build its KV again. The prompt's logprobs, if asked for,
+    are its first sample's (the others run without them: ``tokens._sample``)."""
     groups: list[list[int]] = []  # the runs of each prompt, its first sample's first
     for index, prompt in enumerate(prompts):
         if prompt.sample == 0:
@@ -156,8 +158,9 @@ async def _started(runs: list[RequestRun], prompts: tuple[PreparedRequest, ...])
         head, *rest = group
         firsts[head] = await runs[head].start()
         held_on = _route(runs[head]).decode_node
+        shared = firsts[head][0].prompt_logprobs
         for index, tokens in zip(rest, await _all(runs[i].start(held_on) for i in rest), strict=True):
-            firsts[index] = tokens
+            firsts[index] = [dataclasses.replace(tokens[0], prompt_logprobs=shared), *tokens[1:]] if shared else tokens
 
     await _all(samples(group) for group in groups)
     return firsts

@@ -10,8 +10,6 @@ naming the field (``REFUSALS``), never silently ignored:
 | field | why it is refused |
 |---|---|
 | ``use_beam_search``, ``length_penalty`` | no beam search |
-| ``prompt_logprobs``; ``echo`` with logprobs; chat ``echo`` | no prompt logprobs: a disaggregated request's |
-| | decode node computes only the prompt's last token |
 | ``prompt_embeds``; over 64 prompts or choices | token prompts only; ``MAX_CHOICES`` (``n`` x prompts) |
 | ``kv_transfer_params``, ``ec_transfer_params``, | the app's own hand-off and extra arguments (chunk |
 | ``vllm_xargs`` | schedules) travel there |
@@ -75,27 +73,9 @@ def _completion(check: Callable[[CompletionRequest], bool]) -> Callable[[OpenAIR
     return lambda r: isinstance(r, CompletionRequest) and check(r)
 
 
-_PROMPT_LOGPROBS = "prompt logprobs are not served: a disaggregated request's decode node computes only its last token"
-
 REFUSALS: tuple[Refusal, ...] = (
     Refusal("use_beam_search", "beam search is not served", lambda r: r.use_beam_search),
     Refusal("length_penalty", "it applies to beam search, which is not served", lambda r: r.length_penalty != 1.0),
-    Refusal("prompt_logprobs", _PROMPT_LOGPROBS, lambda r: r.prompt_logprobs is not None),
-    Refusal(
-        "echo",
-        f"chat echo asks for prompt logprobs; {_PROMPT_LOGPROBS}",
-        lambda r: isinstance(r, ChatCompletionRequest) and r.echo,
-    ),
-    Refusal(
-        "echo",
-        f"echo with logprobs needs the prompt's logprobs; {_PROMPT_LOGPROBS}",
-        _completion(lambda r: bool(r.echo) and r.logprobs is not None),
-    ),
-    Refusal(
-        "max_tokens",
-        "echo with max_tokens 0 (the prompt alone) is not served",
-        _completion(lambda r: bool(r.echo) and r.max_tokens == 0),
-    ),
     Refusal("prompt", f"at most {MAX_CHOICES} prompts per request", _prompt_batch),
     Refusal("prompt_embeds", "prompt embeddings are not served", _completion(lambda r: r.prompt_embeds is not None)),
     Refusal(
@@ -171,7 +151,9 @@ class ResponseOptions:
     all_logprobs: bool = False  # ``logprob_token_ids``: every entry the engine returned
     tokens_as_ids: bool = False  # ``return_tokens_as_token_ids``: "token_id:<id>" for logprob tokens
     return_token_ids: bool = False  # ``return_token_ids``: token ids in the choice
-    echo: bool = False  # completions: the prompt's text before the answer
+    echo: bool = False  # completions: the prompt's text (and logprobs, with logprobs) before the answer's
+    echo_only: bool = False  # completions: ``echo`` with max_tokens 0, the prompt alone (one token generated, unshown)
+    echo_message: str = ""  # chat ``echo``: the last message's content, before the answer (when their roles match)
     response_id: str | None = None  # the client's ``request_id``: the response's id
     role: str = "assistant"  # chat: the answer's role (the last message's when no generation prompt is added)
     return_prompt_text: bool = False  # chat: the rendered prompt in the response
@@ -184,10 +166,13 @@ class ResponseOptions:
         stream_options = request.stream_options
         include_usage = bool(request.stream and stream_options and stream_options.include_usage)
         chat = isinstance(request, ChatCompletionRequest)
+        echo_message = ""
         if isinstance(request, ChatCompletionRequest):
             top = request.top_logprobs if request.logprobs else None
             last = request.messages[-1] if request.messages else {}
             role = "assistant" if request.add_generation_prompt else str(last.get("role", "assistant"))
+            if request.echo and last.get("role") == role:
+                echo_message = _text_of(last.get("content"))
         else:
             top, role = request.logprobs, "assistant"
         return cls(
@@ -200,6 +185,8 @@ class ResponseOptions:
             tokens_as_ids=bool(request.return_tokens_as_token_ids),
             return_token_ids=bool(request.return_token_ids),
             echo=isinstance(request, CompletionRequest) and bool(request.echo),
+            echo_only=isinstance(request, CompletionRequest) and bool(request.echo) and request.max_tokens == 0,
+            echo_message=echo_message,
             response_id=response_id,
             role=role,
             return_prompt_text=isinstance(request, ChatCompletionRequest) and bool(request.return_prompt_text),
@@ -220,6 +207,14 @@ class PreparedRequest:
     priority: int = 0
     cache_salt: str | None = None
     sample: int = 0  # which of the prompt's ``n`` samples (its usage counts the prompt at sample 0 only)
+    first_token: str = ""  # echo with logprobs: the prompt's first token decoded (it has no logprob to name it)
+
+
+def _text_of(content: Any) -> str:
+    """A message's content as text (its text parts joined by newlines, as vLLM's server echoes them)."""
+    if isinstance(content, list):
+        return "\n".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return str(content or "")
 
 
 def error_body(

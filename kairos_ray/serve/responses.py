@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import Any
 
-from kairos_ray.messages import TokenEvent, TokenLogprob
+from kairos_ray.messages import PromptLogprobs, TokenEvent, TokenLogprob
 from kairos_ray.serve.dispatch import RouteTaken
 from kairos_ray.serve.protocol import PreparedRequest, error_body
 
@@ -138,24 +138,50 @@ class ResponseWriter:
 
     @staticmethod
     def _sampled(event: TokenEvent) -> TokenLogprob:
-        for entry in event.logprobs:
-            if entry.token_id == event.token_id:
-                return entry
-        return TokenLogprob(event.token_id, event.text, MIN_LOGPROB)
+        return _entry_of(event.logprobs, event.token_id, event.text)
 
-    def _completion_logprobs(self, tokens: Sequence[TokenEvent], offset: int) -> tuple[dict[str, Any] | None, int]:
-        """(the ``logprobs`` of ``tokens``, the text offset after them), their text starting at ``offset``."""
+    def _rows(self, tokens: Sequence[TokenEvent], prompt: PromptLogprobs) -> list[tuple[str, float | None, Any]]:
+        """A completion's logprobs rows (token as shown, its logprob, the top ones), the prompt's first (echo): its
+        first token has no logprob, as in vLLM's server."""
+        rows: list[tuple[str, float | None, Any]] = []
+        for entries, token_id in zip(prompt, self.request.prompt_token_ids, strict=False):
+            if not entries:  # the first position: vLLM's server decodes the token itself
+                rows.append(
+                    (f"token_id:{token_id}" if self.options.tokens_as_ids else self.request.first_token, None, None)
+                )
+                continue
+            own = _entry_of(entries, token_id, "")
+            rows.append((self._shown(own), own.logprob, self._tops(entries)))
+        for event in tokens:
+            sampled = self._sampled(event)
+            rows.append((self._shown(sampled), sampled.logprob, self._tops(event.logprobs)))
+        return rows
+
+    def _tops(self, entries: tuple[TokenLogprob, ...]) -> dict[str, float]:
+        return {self._shown(e): max(e.logprob, MIN_LOGPROB) for e in self._kept(entries, 1)}
+
+    def _completion_logprobs(
+        self, tokens: Sequence[TokenEvent], offset: int, prompt: PromptLogprobs = ()
+    ) -> tuple[dict[str, Any] | None, int]:
+        """(the ``logprobs`` of ``tokens``, the text offset after them), their text starting at ``offset``;
+        ``prompt``: the prompt's logprobs, shown before the tokens' (``echo``)."""
         if self.options.top_logprobs is None:
             return None, offset
         offsets, values, shown, tops = [], [], [], []
-        for event in tokens:
-            token = self._shown(self._sampled(event))
+        for token, logprob, top in self._rows(tokens, prompt):
             offsets.append(offset)
-            values.append(max(self._sampled(event).logprob, MIN_LOGPROB))
+            values.append(None if logprob is None else max(logprob, MIN_LOGPROB))
             shown.append(token)
-            tops.append({self._shown(e): max(e.logprob, MIN_LOGPROB) for e in self._kept(event.logprobs, 1)})
+            tops.append(top)
             offset += len(token)
         return {"text_offset": offsets, "token_logprobs": values, "tokens": shown, "top_logprobs": tops}, offset
+
+    def _echoed_logprobs(self, tokens: Sequence[TokenEvent]) -> tuple[PromptLogprobs, Sequence[TokenEvent]]:
+        """(the prompt's logprobs a completion with ``echo`` shows before its tokens', the tokens whose logprobs it
+        shows: none when it echoes the prompt alone); ``tokens``: its first ones."""
+        if not self.options.echo or not tokens:
+            return (), tokens
+        return tokens[0].prompt_logprobs, () if self.options.echo_only else tokens
 
     def _chat_logprobs(self, tokens: Sequence[TokenEvent]) -> dict[str, Any] | None:
         if self.options.top_logprobs is None:
@@ -183,6 +209,10 @@ class ResponseWriter:
         """Completions with ``echo``: the prompt's text before the answer (none when token ids are returned)."""
         return self.request.prompt_text if self.options.echo and not self.options.return_token_ids else ""
 
+    def _answer_text(self, text: str) -> str:
+        """A completion's text: the prompt's (``echo``), then the answer's (none with ``echo`` and max_tokens 0)."""
+        return self._echo() + ("" if self.options.echo_only else text)
+
     def full(self, tokens: Sequence[TokenEvent]) -> dict[str, Any]:
         """The whole response body of a request that was not streamed."""
         text = "".join(t.text for t in tokens)
@@ -204,16 +234,23 @@ class ResponseWriter:
                 hidden = parsing.hides_reasoning
                 if parsing.parsers.reasoning:
                     details["completion_tokens_details"] = {"reasoning_tokens": thought}
+            if self.options.echo_message:
+                choice["message"]["content"] = self.options.echo_message + (choice["message"]["content"] or "")
             choice["logprobs"] = None if hidden else self._chat_logprobs(tokens)
             if self.options.return_token_ids:
                 extra["prompt_token_ids"] = list(self.request.prompt_token_ids)
             if self.options.return_prompt_text:
                 extra["prompt_text"] = self.request.prompt_text
         else:
-            choice["text"] = self._echo() + text
-            choice["logprobs"] = self._completion_logprobs(tokens, 0)[0]
+            choice["text"] = self._answer_text(text)
+            echoed, shown = self._echoed_logprobs(tokens)
+            choice["logprobs"] = self._completion_logprobs(shown, 0, echoed)[0]
             if self.options.return_token_ids:
                 choice["prompt_token_ids"] = list(self.request.prompt_token_ids)
+            if tokens[0].prompt_logprobs:
+                choice["prompt_logprobs"] = prompt_logprobs(tokens[0].prompt_logprobs)
+        if self.chat and tokens[0].prompt_logprobs:
+            extra["prompt_logprobs"] = prompt_logprobs(tokens[0].prompt_logprobs)
         choice["finish_reason"] = finish_reason
         choice["stop_reason"] = last.stop_reason
         if self.options.return_token_ids and not hidden:
@@ -266,14 +303,17 @@ class ResponseWriter:
                 shows_tokens = choice["logprobs"] is not None or (self.options.return_token_ids and not hidden)
                 if delta is None and not (first or last.finished or shows_tokens):
                     return ""  # nothing to show yet (a tool call's opening markup, say): no event, as vLLM's server
+            if first and self.options.echo_message:  # the last message's content, then the answer's
+                delta = {**(delta or {}), "content": self.options.echo_message + ((delta or {}).get("content") or "")}
             choice["delta"] = {"role": self.options.role, **(delta or {})} if first else (delta or {})
             if first and self.options.return_token_ids:
                 extra["prompt_token_ids"] = list(self.request.prompt_token_ids)
             if first and self.options.return_prompt_text:
                 extra["prompt_text"] = self.request.prompt_text
         else:
-            choice["text"] = self._echo() + text if first else text
-            choice["logprobs"], self._text_offset = self._completion_logprobs(tokens, self._text_offset)
+            prompt, shown = self._echoed_logprobs(tokens) if first else ((), tokens)
+            choice["text"] = self._answer_text(text) if first else text
+            choice["logprobs"], self._text_offset = self._completion_logprobs(shown, self._text_offset, prompt)
             if first and (self.options.return_token_ids or self.options.echo):  # as vLLM's server streams them
                 choice["prompt_token_ids"] = list(self.request.prompt_token_ids)
         finish_reason = last.finish_reason or "length"
@@ -336,6 +376,28 @@ def batch_body(bodies: Sequence[dict[str, Any]], prompt_tokens: int) -> dict[str
         thought = sum(body["usage"]["completion_tokens_details"]["reasoning_tokens"] for body in bodies)
         summed["completion_tokens_details"] = {"reasoning_tokens": thought}
     return {**first, "choices": choices, "usage": summed}
+
+
+def prompt_logprobs(prompt: PromptLogprobs) -> list[dict[int, dict[str, Any]] | None]:
+    """A body's ``prompt_logprobs``, as vLLM's server writes them: per prompt position (None at the first), each
+    entry's logprob, rank and decoded token by token id."""
+    return [
+        {
+            e.token_id: {"logprob": max(e.logprob, MIN_LOGPROB), "rank": e.rank, "decoded_token": e.token}
+            for e in entries
+        }
+        if entries
+        else None
+        for entries in prompt
+    ]
+
+
+def _entry_of(entries: tuple[TokenLogprob, ...], token_id: int, text: str) -> TokenLogprob:
+    """The entry of ``token_id`` among a position's (one at the lowest logprob, shown as ``text``, if missing)."""
+    for entry in entries:
+        if entry.token_id == token_id:
+            return entry
+    return TokenLogprob(token_id, text, MIN_LOGPROB)
 
 
 def _bytes(token: str) -> list[int]:

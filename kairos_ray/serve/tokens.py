@@ -46,6 +46,7 @@ from vllm.entrypoints.serve.tokenize.protocol import (
 from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 from vllm.exceptions import VLLMValidationError
 
+from kairos_ray.engines import without_prompt_logprobs
 from kairos_ray.serve.parsing import OutputParsers
 from kairos_ray.serve.protocol import (
     MAX_CHOICES,
@@ -102,10 +103,11 @@ def _client_error(exc: Exception, param: str | None = None) -> RequestError:
 
 def _sample(sampling: Any, index: int) -> Any:
     """The ``SamplingParams`` of one of a request's ``n`` samples, as vLLM's engine makes them for each: one
-    sequence, and a seed of its own (the request's + ``index``) where the request has one."""
+    sequence, and a seed of its own (the request's + ``index``) where the request has one; the prompt's logprobs
+    computed by the first sample only (the others show its, ``serve.ingress``)."""
     if sampling.n == 1:
         return sampling
-    child = copy.copy(sampling)
+    child: Any = copy.copy(sampling if index == 0 else without_prompt_logprobs(sampling))
     child.n = 1
     if sampling.seed is not None:
         child.seed = sampling.seed + index
@@ -200,6 +202,7 @@ class Preprocessor:
         self.processor: Any = None  # vllm.v1.engine.input_processor.InputProcessor
         self.tokenization: Any = None  # vllm.entrypoints.serve.tokenize.serving.ServingTokenization
         self.parsers: OutputParsers | None = None  # tool-call and reasoning parsers of chat answers, if set
+        self.tokenizer: Any = None  # the renderer's tokenizer
         if model_source is not None:
             self._load(model_source, engine_kwargs or {}, parsing_kwargs or {})
 
@@ -220,6 +223,7 @@ class Preprocessor:
         structured = args.create_structured_outputs_config()
         config = VllmConfig(model_config=model_config, structured_outputs_config=structured)
         renderer = renderer_from_config(config)
+        self.tokenizer = renderer.tokenizer
         auto_tools = bool(parsing.get("enable_auto_tool_choice", False))
         self.renderer = OnlineRenderer(
             model_config,
@@ -288,6 +292,7 @@ class Preprocessor:
         prepared = []
         for (prompt_tokens, prompt_text, prompt_ids), engine_input in zip(prompts, inputs, strict=True):
             max_tokens, sampling = await self._sampling(request, prompt_tokens, engine_input, off_loop)
+            echoed = options.echo and options.top_logprobs is not None and prompt_ids and self.tokenizer is not None
             for sample in range(samples):
                 prepared.append(
                     PreparedRequest(
@@ -300,6 +305,7 @@ class Preprocessor:
                         priority=request.priority,
                         cache_salt=request.cache_salt,
                         sample=sample,
+                        first_token=self.tokenizer.decode(prompt_ids[0]) if echoed else "",
                     )
                 )
         return tuple(prepared)
@@ -341,7 +347,8 @@ class Preprocessor:
                     check()
         except Exception as exc:
             raise _client_error(exc, param) from None
-        return max_tokens, sampling
+        # echo with max_tokens 0 (the prompt alone): one token is generated and left out, as in vLLM's server
+        return max(max_tokens, sampling.max_tokens or 0), sampling
 
     async def tokenize(self, data: Any) -> dict[str, Any]:
         """``POST /tokenize``: the prompt's token ids (a chat's as its template renders them), as vLLM's server

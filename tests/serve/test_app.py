@@ -142,7 +142,7 @@ def test_tokens_are_deterministic(live_app):
     "body, param",
     [
         ({"model": MODEL, "prompt": "x", "temperature": -1}, "temperature"),
-        ({"model": MODEL, "prompt": "x", "logprobs": 2, "echo": True}, "echo"),
+        ({"model": MODEL, "prompt": "x", "use_beam_search": True}, "use_beam_search"),
         ({"model": MODEL, "prompt": "x", "kv_transfer_params": {}}, "kv_transfer_params"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "n": 65}, "n"),
@@ -242,13 +242,15 @@ def test_n_samples_are_n_choices_and_the_prompt_is_counted_once(live_app):
     assert httpx.get(f"{url}/health").json()["in_flight"] == 0
 
 
-def test_n_samples_build_their_prompt_s_kv_once(live_app):
+@pytest.mark.parametrize("scored", [False, True], ids=["plain", "prompt_logprobs"])
+def test_n_samples_build_their_prompt_s_kv_once(live_app, scored):
     """The first sample builds the prompt's KV (a deflection, or a prefill and a hand-off); the other three are
     deflected to its decode node, where all of the prompt's 16-token blocks but the one with its last token
-    are cached, before that node has reported it."""
+    are cached, before that node has reported it. With prompt logprobs too: the first sample computes them
+    (priced cache-blind, as vLLM reads no cache for it), the others read its blocks."""
     url, _ = live_app
-    prompt = list(range(70_000, 76_000))
-    r = completion(url, prompt=prompt, max_tokens=4, n=4, seed=7)
+    prompt = list(range(70_000, 76_000)) if not scored else list(range(80_000, 86_000))
+    r = completion(url, prompt=prompt, max_tokens=4, n=4, seed=7, **({"prompt_logprobs": 1} if scored else {}))
     assert r.status_code == 200, r.text
     first, *rest = [c["kairos"] for c in r.json()["choices"]]
     for sample in rest:

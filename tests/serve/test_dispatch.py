@@ -339,3 +339,24 @@ def test_a_prompt_s_samples_and_retries_hash_its_blocks_once_and_only_the_latest
         return dispatcher.block_ids(dataclasses.replace(first, cache_salt="tenant-b"))
 
     assert run(scenario) == {}  # a salted prompt has no prefix identity the router could match
+
+
+def test_a_request_with_prompt_logprobs_is_priced_cache_blind_and_its_migration_computes_none():
+    """vLLM reads no prefix cache for a request with prompt logprobs: the router is sent no hashes, so a deflection's
+    schedule covers the whole prompt; a migration's new prompt (the tokens sent appended) asks for none."""
+    from vllm import SamplingParams
+
+    async def scenario():
+        dispatcher = FakeCluster(deflect_to("decode-a")).dispatcher
+        dispatcher.block_tokens = (16,)
+        sampling = SamplingParams(prompt_logprobs=2, max_tokens=8)
+        scoring = dataclasses.replace(request(1, prompt_tokens=640), sampling=sampling)
+        assert sampling.skip_reading_prefix_cache and dispatcher.block_ids(scoring) == {}
+        moved = dispatcher.run(scoring)
+        moved.sent = [5, 6]
+        continued = moved._continuation()
+        assert continued.sampling.prompt_logprobs is None and not continued.sampling.skip_reading_prefix_cache
+        assert len(dispatcher.block_ids(continued)[16]) == 40
+        assert sampling.prompt_logprobs == 2  # the first run's own parameters are left as they are
+
+    run(scenario)

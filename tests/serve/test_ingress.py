@@ -17,8 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ray import cloudpickle
-from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+from vllm.entrypoints.generate.base.serving import GenerateBaseServing, clamp_prompt_logprobs
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+from vllm.entrypoints.openai.completion.protocol import CompletionResponseChoice
 from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 from vllm.logprobs import Logprob
 
@@ -201,6 +202,91 @@ def test_logprobs_are_written_as_vllms_server_writes_them_streamed_or_not(chat, 
         assert [entry for part in parts for entry in part["content"]] == expected["content"]
     else:
         assert {key: [v for part in parts for v in part[key]] for key in expected} == expected
+
+
+# A prompt's positions after its first, as vLLM computes them: (prompt token id, {id: (decoded, logprob, rank)}),
+# the prompt token's entry first (then the likeliest ones).
+PROMPT_IDS = [11, 7, 9]
+PROMPT_POSITIONS = [
+    {7: ("Ġthe", -1.25, 3), 9: ("Ġa", -0.5, 1), 4: ("z", -0.75, 2)},
+    {9: ("Ġa", -0.125, 1), 8: ("y", -float("inf"), 900), 3: ("x", -4.0, 2)},
+]
+FIRST_TOKEN = "<s>"  # how the tokenizer decodes the prompt's first token
+
+
+def prompt_entries() -> tuple[tuple[TokenLogprob, ...], ...]:
+    return ((), *(tuple(TokenLogprob(t, d, lp, r) for t, (d, lp, r) in p.items()) for p in PROMPT_POSITIONS))
+
+
+def vllm_prompt_dicts() -> list:
+    return [None, *({t: Logprob(lp, r, d) for t, (d, lp, r) in p.items()} for p in PROMPT_POSITIONS)]
+
+
+def with_prompt_logprobs(events: list[TokenEvent]) -> list[TokenEvent]:
+    return [dataclasses.replace(events[0], prompt_logprobs=prompt_entries()), *events[1:]]
+
+
+def echoing(body: dict, chat: bool = False) -> PreparedRequest:
+    return dataclasses.replace(prepared({"prompt": PROMPT_IDS, **body}, chat), first_token=FIRST_TOKEN)
+
+
+@pytest.mark.parametrize("top, alone", [(2, False), (0, False), (1, True)])
+def test_echo_with_logprobs_shows_the_prompts_logprobs_first_as_vllms_server_streamed_or_not(top, alone):
+    """The prompt's positions (its first without a logprob, decoded by the tokenizer), then the answer's; with
+    max_tokens 0 the prompt's alone (the token generated is not shown)."""
+    ids = [*PROMPT_IDS, *([] if alone else [tid for tid, _ in POSITIONS])]
+    dicts = vllm_prompt_dicts()
+    if not alone:
+        dicts += [{t: Logprob(lp, None, d) for t, (d, lp) in entries.items()} for _, entries in POSITIONS]
+    server = types.SimpleNamespace(
+        _get_decoded_token=GenerateBaseServing._get_decoded_token, return_tokens_as_token_ids=False
+    )
+    tokenizer = types.SimpleNamespace(decode=lambda token_id: FIRST_TOKEN)
+    expected = OpenAIServingCompletion._create_completion_logprobs(server, ids, dicts, top, tokenizer).model_dump()
+    answer = logprob_tokens()[:1] if alone else logprob_tokens()
+    asked = {"echo": True, "logprobs": top, "max_tokens": 0 if alone else 3}
+    full = ResponseWriter("m", DEFLECTED, echoing(asked), Exposure.NONE).full(with_prompt_logprobs(answer))
+    (choice,) = full["choices"]
+    assert choice["logprobs"] == expected
+    assert choice["text"] == "" if alone else choice["text"] == "".join(e.text for e in answer)
+    vllms = CompletionResponseChoice(index=0, text="", prompt_logprobs=clamp_prompt_logprobs(vllm_prompt_dicts()))
+    assert json.loads(json.dumps(choice["prompt_logprobs"])) == vllms.model_dump(mode="json")["prompt_logprobs"]
+    writer = ResponseWriter("m", DEFLECTED, echoing({**asked, "stream": True}), Exposure.NONE)
+    parts = [c["choices"][0]["logprobs"] for c in split(writer.tokens(with_prompt_logprobs(answer)))]
+    assert {key: [v for part in parts for v in part[key]] for key in expected} == expected
+
+
+def test_prompt_logprobs_go_where_vllms_server_puts_them_and_chat_echo_opens_with_the_last_message():
+    """Completions: in the choice; chat: beside the choices; neither in a stream. Chat ``echo`` prepends the last
+    message's content when the answer continues its role."""
+    answer = with_prompt_logprobs(tokens(2))
+    completion = ResponseWriter("m", DEFLECTED, echoing({"prompt_logprobs": 2}), Exposure.NONE).full(answer)
+    assert len(completion["choices"][0]["prompt_logprobs"]) == 3 and "prompt_logprobs" not in completion
+    chat = ResponseWriter("m", DEFLECTED, prepared({"prompt_logprobs": 2}, chat=True), Exposure.NONE).full(answer)
+    assert chat["prompt_logprobs"][0] is None and chat["prompt_logprobs"][2][9]["rank"] == 1
+    assert chat["prompt_logprobs"][2][8]["logprob"] == -9999.0  # -inf, as vLLM's server clamps it
+    assert "prompt_logprobs" not in chat["choices"][0]
+    plain = ResponseWriter("m", DEFLECTED, prepared({}, chat=True), Exposure.NONE).full(tokens(2))
+    assert "prompt_logprobs" not in plain
+    continued = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [{"type": "text", "text": "A"}]},
+        ],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "echo": True,
+    }
+    body = ResponseWriter("m", DEFLECTED, prepared(continued, chat=True), Exposure.NONE).full(answer)
+    assert body["choices"][0]["message"]["content"] == "A t0 t1"
+    writer = ResponseWriter("m", DEFLECTED, prepared({**continued, "stream": True}, chat=True), Exposure.NONE)
+    streamed = split(writer.tokens(answer))
+    assert "".join(c["choices"][0]["delta"]["content"] for c in streamed) == "A t0 t1"
+    assert not any("prompt_logprobs" in c for c in streamed)
+    other_role = {**continued, "add_generation_prompt": True, "continue_final_message": False}
+    other_role["messages"] = [{"role": "user", "content": "hi"}]
+    body = ResponseWriter("m", DEFLECTED, prepared(other_role, chat=True), Exposure.NONE).full(answer)
+    assert body["choices"][0]["message"]["content"] == " t0 t1"
 
 
 def test_echo_token_ids_and_the_clients_request_id_shape_the_body():
@@ -447,6 +533,13 @@ def test_n_samples_are_a_choice_each_seeded_as_vllms_engine_seeds_them():
         ((3,), s) for s in range(3)
     ]
     assert [p.sampling.seed for p in prompts] == [10, 11, 12] * 2 and {p.sampling.n for p in prompts} == {1}
+    scored = asyncio.run(EMULATED.prepare({"model": MODEL, "prompt": [1, 2], "n": 3, "prompt_logprobs": 1}, False))
+    # the first sample computes the prompt's logprobs (reading no cache); the others read its KV from the cache
+    assert [(p.sampling.prompt_logprobs, p.sampling.skip_reading_prefix_cache) for p in scored] == [
+        (1, True),
+        (None, False),
+        (None, False),
+    ]
     unseeded = asyncio.run(EMULATED.prepare({"model": MODEL, "prompt": "a", "n": 2, "max_tokens": 1}, False))
     assert [p.sampling.seed for p in unseeded] == [None, None]
     with pytest.raises(RequestError) as refused:
@@ -466,12 +559,13 @@ class _Run:
         self.started.append(self.index)
         self.held_on = held_on
         await self.go.wait()
-        return [self.index]
+        computed = prompt_entries() if self.index == 0 else ()  # the first prompt's first sample's prompt logprobs
+        return [TokenEvent(self.index, 0, False, self.route.decode_node, prompt_logprobs=computed)]
 
 
 def test_a_prompts_other_samples_start_once_its_first_has_its_first_token():
     """So that a prefix-aware router finds the prompt's KV cached where the first sample built it: the router is
-    told which decode node holds it."""
+    told which decode node holds it. The other samples show the first's prompt logprobs."""
     prompts = asyncio.run(EMULATED.prepare({"model": MODEL, "prompt": [[1, 2], [3]], "n": 2, "max_tokens": 1}, False))
 
     async def main():
@@ -490,5 +584,6 @@ def test_a_prompts_other_samples_start_once_its_first_has_its_first_token():
         return await task, started, runs
 
     firsts, started, runs = asyncio.run(main())
-    assert firsts == [[0], [1], [2], [3]] and sorted(started) == [0, 1, 2, 3]
+    assert [first.token_id for (first,) in firsts] == [0, 1, 2, 3] and sorted(started) == [0, 1, 2, 3]
+    assert [first.prompt_logprobs for (first,) in firsts] == [prompt_entries()] * 2 + [()] * 2
     assert [run.held_on for run in runs] == ["", "decode-0", "", "decode-2"]

@@ -222,6 +222,7 @@ def answer(response: dict, chat: bool) -> dict:
         "token_ids": choice.get("token_ids"),
         "prompt_token_ids": response.get("prompt_token_ids") if chat else choice.get("prompt_token_ids"),
         "prompt_text": response.get("prompt_text"),
+        "prompt_logprobs": response.get("prompt_logprobs") if chat else choice.get("prompt_logprobs"),
     }
 
 
@@ -255,6 +256,7 @@ def streamed_answer(events: list[dict], chat: bool) -> dict:
         "prompt_text": next((e["prompt_text"] for e in events if e.get("prompt_text")), None),
         "events": len(choices),
         "usage_events": sum(1 for e in events if e.get("usage")),
+        "prompt_logprobs": next((e["prompt_logprobs"] for e in events if e.get("prompt_logprobs")), None),
     }
 
 
@@ -302,6 +304,22 @@ def ask(url: str, chat: bool, body: dict, stream: bool = False) -> Reply:
 LOGPROB_TOLERANCE = 1e-3  # float32 results of differently chunked prefills (deflected: the router's chunks)
 
 
+def assert_prompt_logprobs_close(ours: list | None, theirs: list | None) -> None:
+    """Per prompt position, the same token ids with the same ranks and decoded tokens, logprobs within the
+    tolerance."""
+    if ours is None or theirs is None:
+        assert ours is theirs
+        return
+    assert len(ours) == len(theirs) and ours[0] is None and theirs[0] is None
+    for mine, vllm in zip(ours[1:], theirs[1:], strict=True):
+        assert {t: (e["rank"], e["decoded_token"]) for t, e in mine.items()} == {
+            t: (e["rank"], e["decoded_token"]) for t, e in vllm.items()
+        }
+        assert {t: e["logprob"] for t, e in mine.items()} == pytest.approx(
+            {t: e["logprob"] for t, e in vllm.items()}, abs=LOGPROB_TOLERANCE
+        )
+
+
 def assert_logprobs_close(ours: Any, theirs: Any) -> None:
     if ours is None or theirs is None:
         assert ours is theirs
@@ -321,6 +339,9 @@ def assert_logprobs_close(ours: Any, theirs: Any) -> None:
     assert (ours["tokens"], ours["text_offset"]) == (theirs["tokens"], theirs["text_offset"])
     assert ours["token_logprobs"] == pytest.approx(theirs["token_logprobs"], abs=LOGPROB_TOLERANCE)
     for mine, vllm in zip(ours["top_logprobs"], theirs["top_logprobs"], strict=True):
+        if vllm is None:  # an echoed prompt's first token
+            assert mine is None
+            continue
         assert mine.keys() == vllm.keys()
         assert mine == pytest.approx(vllm, abs=LOGPROB_TOLERANCE)
 
@@ -341,6 +362,7 @@ def assert_same_answer(ours: Reply, theirs: Reply, keys: tuple[str, ...] = COMPA
     assert ours.status == theirs.status == 200, (ours.body, theirs.body)
     assert {k: ours.body[k] for k in keys} == {k: theirs.body[k] for k in keys}
     assert_logprobs_close(ours.body["logprobs"], theirs.body["logprobs"])
+    assert_prompt_logprobs_close(ours.body["prompt_logprobs"], theirs.body["prompt_logprobs"])
 
 
 def request_of(chat: bool, words: int, *fields: dict, **more: Any) -> dict:
@@ -364,6 +386,13 @@ def words_only() -> list[int]:
 
 
 WORDS_ONLY = {"allowed_token_ids": words_only()}
+
+# a chat whose answer continues its last (assistant) message
+CONTINUED = {
+    "messages": [{"role": "user", "content": prompt(30)}, {"role": "assistant", "content": "the quick"}],
+    "add_generation_prompt": False,
+    "continue_final_message": True,
+}
 
 
 def ascii_stop(text: str) -> str:
@@ -448,6 +477,43 @@ def test_answers_equal_vllms_own_server_on_both_routes(cpu_app, vllm_server, cas
             assert ours.body["logprobs"] is not None
 
 
+SCORING: dict[str, tuple[bool, dict]] = {  # (chat, the fields)
+    "prompt_logprobs": (False, {"max_tokens": 6, "temperature": 0.0, "prompt_logprobs": 3}),
+    "echo with logprobs": (False, {"max_tokens": 6, "temperature": 0.0, "echo": True, "logprobs": 2}),
+    "echo, the prompt alone": (False, {"max_tokens": 0, "echo": True, "logprobs": 1}),
+    "chat prompt_logprobs": (True, {"max_completion_tokens": 6, "temperature": 0.0, "prompt_logprobs": 2}),
+    "chat echo": (True, {**CONTINUED, "max_completion_tokens": 6, "temperature": 0.0, "echo": True}),
+}
+
+
+@pytest.mark.parametrize("route, words", [("deflect", SHORT), ("prefill", LONG)])
+@pytest.mark.parametrize("case", list(SCORING))
+def test_prompt_logprobs_and_echo_answer_as_vllms_own_server_on_both_routes(cpu_app, vllm_server, case, route, words):
+    """The prompt's logprobs, computed where the prompt is prefilled (the deflecting decode node, or the prefill
+    node that hands the KV over): the same positions, ranks and decoded tokens as vLLM's server, logprobs within
+    1e-3, in the same places (echoed before the answer's; a chat's echo opening with its last message), streamed
+    or not; ``prompt_logprobs`` in a stream is the 400 vLLM's server answers."""
+    url, _ = cpu_app
+    chat, fields = SCORING[case]
+    body = request_of(chat, words, fields)
+    if "messages" in fields:  # the continued chat, its user message as long as the route needs
+        body["messages"] = [{"role": "user", "content": prompt(words)}, fields["messages"][1]]
+    for stream in (False, True):
+        ours, theirs = ask(url, chat, body, stream), ask(vllm_server, chat, body, stream)
+        if stream and "prompt_logprobs" in fields:
+            assert ours.status == theirs.status == 400 and ours.body["error"]["param"] == "prompt_logprobs"
+            continue
+        assert ours.headers["x-kairos-route"] == route
+        assert_same_answer(ours, theirs)
+        if not stream:
+            assert ours.body["prompt_logprobs"] is not None
+        if "logprobs" in fields:  # echoed: every prompt position, then the answer's (none with max_tokens 0)
+            answer = 0 if fields["max_tokens"] == 0 else ours.body["usage"]["completion_tokens"]
+            assert len(ours.body["logprobs"]["tokens"]) == ours.body["usage"]["prompt_tokens"] + answer
+        if chat:
+            assert ours.body["text"].startswith("the quick") == ("echo" in fields)
+
+
 def choices_of(url: str, body: dict, stream: bool, chat: bool = False) -> tuple[dict[int, dict], dict, list[str]]:
     """(each choice of a response of several choices by its index: text, finish and stop reasons, token ids,
     logprobs, prompt ids; the usage; the routes the choices name, where they name them), streamed or not."""
@@ -496,6 +562,7 @@ def assert_same_choices(
     for index in ours:
         mine, vllms = dict(ours[index]), dict(theirs[index])
         assert_logprobs_close(mine.pop("logprobs"), vllms.pop("logprobs"))
+        assert_prompt_logprobs_close(mine.pop("prompt_logprobs", None), vllms.pop("prompt_logprobs", None))
         assert mine == vllms, index
     return ours, routes
 
@@ -503,7 +570,7 @@ def assert_same_choices(
 BATCHES = {
     "greedy": {"max_tokens": 12, "temperature": 0.0, "logprobs": 2, "return_token_ids": True},
     "seeded": {"max_tokens": 12, "temperature": 0.8, "seed": 77},
-    "echo": {"max_tokens": 6, "temperature": 0.0, "echo": True},
+    "echo": {"max_tokens": 6, "temperature": 0.0, "echo": True, "logprobs": 1},
     "token ids": {"max_tokens": 8, "temperature": 0.0},
 }
 
@@ -523,18 +590,37 @@ def test_a_list_of_prompts_answers_as_vllms_own_server_each_prompt_on_its_route(
         assert routes == ["deflect", "prefill", "deflect", "prefill"]
 
 
+# vLLM's CPU engine dies on a seeded request whose prompt logprobs it prefills in several steps (three samples of
+# the long prompt), and refuses n > 1 at temperature 0: the echoed samples draw from the likeliest token alone
+SAMPLES = {"seeded": {"temperature": 1.0, "seed": 11}, "echoed": {"temperature": 1.0, "top_k": 1, "echo": True}}
+
+
+@pytest.mark.parametrize("kind", list(SAMPLES))
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 @pytest.mark.parametrize("route, words", [("deflect", SHORT), ("prefill", LONG)])
-def test_n_seeded_samples_answer_as_vllms_own_server(cpu_app, vllm_server, chat, route, words):
-    """n = 3 seeded samples: the same three choices as vLLM's server (each sample seeded as its engine seeds
-    it), the prompt counted once in the usage, streamed and not."""
+def test_n_samples_answer_as_vllms_own_server(cpu_app, vllm_server, chat, route, words, kind):
+    """n = 3 samples: the same three choices as vLLM's server (each seeded sample seeded as its engine seeds
+    it; echoed ones with the prompt's logprobs, computed by the first sample alone), the prompt counted once in
+    the usage, streamed and not."""
     url, _ = cpu_app
-    body = request_of(chat, words, {"n": 3, "max_tokens": 10, "temperature": 1.0, "seed": 11, "logprobs": 2})
+    body = request_of(chat, words, {"n": 3, "max_tokens": 10, "logprobs": 2}, SAMPLES[kind])
     if chat:
         body = {**body, "logprobs": True, "top_logprobs": 2}
     for stream in (False, True):
+        if stream and kind == "echoed":
+            # vLLM's server fails this stream (its samples after the first have no prompt logprobs to echo): ours
+            # streams what it answers whole
+            streamed, _, _ = choices_of(url, body, True, chat)
+            for index, choice in streamed.items():
+                whole = {key: ours[index][key] for key in ("text", "finish_reason", "token_ids")}
+                assert {key: choice[key] for key in whole} == whole
+                assert_logprobs_close(choice["logprobs"], ours[index]["logprobs"])
+            continue
         ours, routes = assert_same_choices(url, vllm_server, body, stream, count=3, chat=chat)
-        assert len({ours[i]["text"] for i in ours}) > 1  # three samples, not one thrice
+        if kind == "seeded":
+            assert len({ours[i]["text"] for i in ours}) > 1  # three samples, not one thrice
+        elif not stream:
+            assert all(ours[i]["prompt_logprobs"] for i in ours)
         assert routes[0] == route
 
 
@@ -614,7 +700,7 @@ SHARED: dict[str, Served] = {
         HONOURED, {"truncate_prompt_tokens": 10, "truncation_side": "right"}, {"truncate_prompt_tokens": 10}
     ),
     "allowed_token_ids": Served(HONOURED, {"allowed_token_ids": [100, 101, 102]}),
-    "prompt_logprobs": Served(REFUSED, {"prompt_logprobs": 1}),
+    "prompt_logprobs": Served(HONOURED, {"prompt_logprobs": 1}, keys=("prompt_logprobs",)),
     "bad_words": Served(HONOURED, {**PREFILL_FORCED, "bad_words": ["prefill"]}, PREFILL_FORCED),
     "response_format": Served(HONOURED, {"response_format": {"type": "json_object"}}),
     "structured_outputs": Served(HONOURED, {"structured_outputs": {"choice": ["yes", "no"]}}),
@@ -648,7 +734,7 @@ COMPLETIONS_ONLY: dict[str, Served] = {
 }
 CHAT_ONLY: dict[str, Served] = {
     "messages": Served(HONOURED, {"messages": [{"role": "user", "content": prompt(31)}]}),
-    "echo": Served(REFUSED, {"echo": True}),
+    "echo": Served(HONOURED, {**CONTINUED, "echo": True}, CONTINUED, keys=(*COMPARED, "prompt_logprobs")),
     "logprobs": Served(HONOURED, {"logprobs": True}),
     "top_logprobs": Served(HONOURED, {"logprobs": True, "top_logprobs": 3}, {"logprobs": True}),
     "logprob_token_ids": Served(HONOURED, {"logprobs": True, "logprob_token_ids": [5, 6]}, {"logprobs": True}),
@@ -666,18 +752,7 @@ CHAT_ONLY: dict[str, Served] = {
         HONOURED, {**CALLING_TWICE, "parallel_tool_calls": False}, CALLING_TWICE
     ),  # the first call only
     "add_generation_prompt": Served(HONOURED, {"add_generation_prompt": False}),
-    "continue_final_message": Served(
-        HONOURED,
-        {
-            "messages": [{"role": "user", "content": prompt(30)}, {"role": "assistant", "content": "the quick"}],
-            "add_generation_prompt": False,
-            "continue_final_message": True,
-        },
-        {
-            "messages": [{"role": "user", "content": prompt(30)}, {"role": "assistant", "content": "the quick"}],
-            "add_generation_prompt": False,
-        },
-    ),
+    "continue_final_message": Served(HONOURED, CONTINUED, {**CONTINUED, "continue_final_message": False}),
     "documents": Served(HONOURED, {"documents": [{"title": "notes", "text": "owls count stars"}]}),
     "chat_template": Served(VLLM_REFUSES, {"chat_template": "{{ messages }}"}),  # untrusted templates
     "chat_template_kwargs": Served(INERT, {"chat_template_kwargs": {"unused": 1}}),  # the template does not read it
