@@ -29,8 +29,10 @@ One request's path:
 A client that goes away cancels its request: the engines abort it and the
 prefill node releases its KV.
 
-``/tokenize``, ``/detokenize`` and ``/version`` answer as vLLM's server does,
-behind the API key; no engine is called.
+``/v1/responses`` (text in and out) runs as a chat and answers as vLLM's
+server does (``serve.responses_api``). ``/tokenize``, ``/detokenize`` and
+``/version`` answer as vLLM's server does, behind the API key; no engine is
+called.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ from kairos_ray.serve.responses import (
     reasoning_tokens,
     route_headers,
 )
+from kairos_ray.serve.responses_api import ResponsesWriter
 from kairos_ray.serve.tokens import Preprocessor
 
 logger = logging.getLogger("ray.serve")
@@ -276,6 +279,11 @@ class Ingress:
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, chat=True)
 
+    @app.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API for text in and out, as vLLM's server serves it (``serve.responses_api``)."""
+        return await self._serve(request, chat=True, responses=True)
+
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``: a prompt's token ids, or a chat's as its template renders them."""
@@ -363,7 +371,7 @@ class Ingress:
             return Exposure.NONE
         return Exposure.ROUTE if self.keys.required else Exposure.FULL  # an open app: every caller is its admin
 
-    async def _serve(self, request: Request, chat: bool) -> Response:
+    async def _serve(self, request: Request, chat: bool, responses: bool = False) -> Response:
         authorization = request.headers.get("authorization")
         if not self.keys.allows(authorization):
             return self._unauthorized()
@@ -379,7 +387,7 @@ class Ingress:
         try:
             request_id = next(self._ids)
             try:
-                prompts = await self._validated(request, chat)
+                prompts = await self._validated(request, chat, responses)
             except RequestError as bad:
                 reason = "too-large" if bad.status == 413 else "bad-request"
                 self.metrics.rejected.inc(tags={"reason": reason})
@@ -411,7 +419,9 @@ class Ingress:
                 raise
             exposure = self._exposure(authorization)
             writers = [
-                ResponseWriter(self.model_id, _route(run), p, exposure, index, named_after=request_id)
+                ResponsesWriter(self.model_id, _route(run), p, exposure)
+                if responses
+                else ResponseWriter(self.model_id, _route(run), p, exposure, index, named_after=request_id)
                 for index, (run, p) in enumerate(zip(runs, prompts, strict=True))
             ]
             headers = route_headers(writers[0].route, exposure)  # the first prompt's; each choice shows its own
@@ -488,8 +498,10 @@ class Ingress:
         message = f"server busy: {self.admission.in_flight} requests in flight; retry after {retry_s} s"
         return _error(429, message, headers={"Retry-After": str(retry_s)})
 
-    async def _validated(self, request: Request, chat: bool) -> tuple[PreparedRequest, ...]:
+    async def _validated(self, request: Request, chat: bool, responses: bool) -> tuple[PreparedRequest, ...]:
         """The request's prompts, parsed, rendered and checked as vLLM's server does it; raises ``RequestError``."""
+        if responses:
+            return await self._input(request, self.preprocess.prepare_responses)
         return await self._input(request, lambda data, off_loop: self.preprocess.prepare(data, chat, off_loop))
 
     async def _input(self, request: Request, handle: Callable[[Any, bool], Awaitable[_T]]) -> _T:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from vllm import SamplingParams
 
     from kairos_ray.serve.parsing import ChatParsing
+    from kairos_ray.serve.responses_api import ResponsesTurn
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
@@ -159,6 +160,7 @@ class ResponseOptions:
     return_prompt_text: bool = False  # chat: the rendered prompt in the response
     grouped: bool = False  # ``stream_interval``: one event per group of tokens the engine sends, not per token
     parsing: ChatParsing | None = None  # chat: tool calls and reasoning split out of the text (``serve.parsing``)
+    responses: ResponsesTurn | None = None  # ``/v1/responses``: what its answer is built from (``serve.responses_api``)
 
     @classmethod
     def of(cls, request: OpenAIRequest, response_id: str | None) -> ResponseOptions:

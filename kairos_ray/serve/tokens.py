@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 from vllm.entrypoints.serve import create_error_response
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.entrypoints.serve.tokenize.protocol import (
@@ -56,6 +57,8 @@ from kairos_ray.serve.protocol import (
     ResponseOptions,
     refusal,
 )
+from kairos_ray.serve.responses_api import ResponsesTurn
+from kairos_ray.serve.responses_api import refusal as responses_refusal
 
 _Request = TypeVar("_Request", bound=BaseModel)
 TEMPLATE_TOKENS_PER_MESSAGE = 4  # emulated engines: what a chat template adds per message
@@ -311,21 +314,32 @@ class Preprocessor:
         return tuple(prepared)
 
     async def _sampling(
-        self, request: OpenAIRequest, prompt_tokens: int, engine_input: Any, off_loop: bool
+        self, request: OpenAIRequest | ResponsesRequest, prompt_tokens: int, engine_input: Any, off_loop: bool
     ) -> tuple[int, Any]:
         """(max_tokens, ``SamplingParams``) of one prompt of ``request``, as vLLM's server resolves them, checked
         as its engine front end checks them; raises ``RequestError``."""
-        param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+        responses = isinstance(request, ResponsesRequest)
+        param = "input" if responses else "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
         if prompt_tokens < 1:
             raise RequestError(400, f"{param} is empty: it has no tokens", param)
-        requested = _requested_max_tokens(request)
-        if requested is not None and prompt_tokens + requested > self.context_tokens:
+        if responses and prompt_tokens >= self.context_tokens:  # max_output_tokens past the context is cut to it
+            raise RequestError(
+                400, f"input ({prompt_tokens} tokens) fills the {self.context_tokens}-token context", param
+            )
+        requested = (
+            request.max_output_tokens if isinstance(request, ResponsesRequest) else _requested_max_tokens(request)
+        )
+        if not responses and requested is not None and prompt_tokens + requested > self.context_tokens:
             raise RequestError(
                 400,
                 f"prompt ({prompt_tokens} tokens) plus max_tokens ({requested}) exceeds the "
                 f"{self.context_tokens}-token context",
                 param,
             )
+        if isinstance(request, ResponsesRequest):
+            truncate = -1 if request.truncation != "disabled" else None
+        else:
+            truncate = request.truncate_prompt_tokens
         try:
             max_tokens = get_max_tokens(
                 self.context_tokens,
@@ -333,7 +347,7 @@ class Preprocessor:
                 prompt_tokens,
                 self.defaults,
                 self.override_max_tokens,
-                truncate_prompt_tokens=request.truncate_prompt_tokens,
+                truncate_prompt_tokens=truncate,
             )
             sampling = request.to_sampling_params(max_tokens, self.defaults)
             if self.processor is not None:  # what vLLM's engine front end checks before it takes a request
@@ -349,6 +363,54 @@ class Preprocessor:
             raise _client_error(exc, param) from None
         # echo with max_tokens 0 (the prompt alone): one token is generated and left out, as in vLLM's server
         return max(max_tokens, sampling.max_tokens or 0), sampling
+
+    async def prepare_responses(self, data: Any, off_loop: bool = False) -> tuple[PreparedRequest, ...]:
+        """A ``/v1/responses`` request in ``data``, as one ``PreparedRequest`` (``serve.responses_api``): parsed,
+        rendered and its sampling built as vLLM's server does it; raises ``RequestError``."""
+        if self.renderer is None:
+            raise RequestError(501, "emulated engines have no tokenizer: /v1/responses needs vLLM engines")
+        request = (
+            await asyncio.to_thread(_validated, ResponsesRequest, data)
+            if off_loop
+            else _validated(ResponsesRequest, data)
+        )
+        if request.model is not None and request.model != self.model_id:
+            raise RequestError(
+                404, f"model {request.model!r} is not served here; available: {self.model_id!r}", "model"
+            )
+        refused = responses_refusal(request)
+        if refused is not None:
+            raise refused
+        try:
+            rendered = await self.renderer.render_responses(request)
+        except Exception as exc:
+            raise _client_error(exc, "input") from None
+        if isinstance(rendered, ErrorResponse):
+            error = rendered.error
+            raise RequestError(error.code, error.message, error.param or "input")
+        engine_input = rendered.engine_input
+        prompt_tokens, prompt_text, prompt_ids = _prompt_of(engine_input)
+        max_tokens, sampling = await self._sampling(request, prompt_tokens, engine_input, off_loop)
+        parsers, new_parser = self.parsers, None
+        if parsers is not None:
+            template_kwargs = request.build_chat_params(None, "auto").chat_template_kwargs
+            new_parser = functools.partial(
+                parsers.parser_cls, parsers.tokenizer, request.tools,
+                chat_template_kwargs=template_kwargs, model_config=parsers.model_config,
+            )  # fmt: skip
+        auto_tools = parsers is not None and parsers.enable_auto_tools
+        options = ResponseOptions(
+            chat=True,
+            stream=bool(request.stream),
+            include_usage=False,
+            continuous_usage=False,
+            top_logprobs=None,
+            responses=ResponsesTurn(request, sampling, new_parser, auto_tools),
+        )
+        prepared = PreparedRequest(
+            prompt_ids, prompt_tokens, prompt_text, max_tokens, sampling, options, request.priority, request.cache_salt
+        )
+        return (prepared,)
 
     async def tokenize(self, data: Any) -> dict[str, Any]:
         """``POST /tokenize``: the prompt's token ids (a chat's as its template renders them), as vLLM's server

@@ -12,6 +12,7 @@ from kairos_ray.messages import TokenEvent
 from kairos_ray.serve.args import AppArgs
 from kairos_ray.serve.protocol import RequestError
 from kairos_ray.serve.responses import Exposure, ResponseWriter, batch_body, reasoning_tokens
+from kairos_ray.serve.responses_api import ResponsesWriter
 from kairos_ray.serve.tokens import Preprocessor
 from tests.serve.conftest import CPU_CONTEXT, CPU_MODEL, TOOL_CALLING, cpu_args
 from tests.serve.test_ingress import DEFLECTED, events
@@ -192,3 +193,75 @@ def test_the_same_tool_calling_on_both_pools_is_accepted():
     args["prefill_config"]["engine_kwargs"] = {**args["prefill_config"]["engine_kwargs"], **PYTHONIC}
     prefill = AppArgs.model_validate(args).prefill_config
     assert prefill.output_parsing() == PYTHONIC and "tool_call_parser" not in prefill.vllm_engine_kwargs()
+
+
+RESPONSES_TOOL = {"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}
+
+
+def responded(preprocessor, tokenizer, body: dict, text: str, finish: str = "stop") -> tuple[dict, list[dict]]:
+    """(``/v1/responses``'s whole response to ``body`` answered with ``text``, its stream's events, a token at a
+    time)."""
+    (whole,) = asyncio.run(preprocessor.prepare_responses({"model": CPU_MODEL, **body}))
+    (streaming,) = asyncio.run(preprocessor.prepare_responses({"model": CPU_MODEL, **body, "stream": True}))
+    writer = ResponsesWriter(CPU_MODEL, DEFLECTED, streaming, Exposure.NONE)
+    stream = "".join(writer.tokens([token]) for token in answer(tokenizer, text, finish)) + writer.done()
+    parts = stream.split("\n\n")
+    assert parts[-1] == "" and all(p.startswith("event: ") for p in parts[:-1])  # no [DONE]: the last is completed
+    kinds = [p.split("\n")[0][7:] for p in parts[:-1]]
+    sent = [json.loads(p.split("\n")[1][6:]) for p in parts[:-1]]
+    assert [e["type"] for e in sent] == kinds and [e["sequence_number"] for e in sent] == list(range(len(sent)))
+    return ResponsesWriter(CPU_MODEL, DEFLECTED, whole, Exposure.NONE).full(answer(tokenizer, text, finish)), sent
+
+
+def without_ids(items: list[dict]) -> list[dict]:
+    return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items]
+
+
+def test_a_responses_answer_is_a_message_whole_or_streamed_with_vllms_events(preprocessor, tokenizer):
+    body = {"instructions": "be brief", "input": "weather in paris?", "max_output_tokens": 5}
+    response, sent = responded(preprocessor, tokenizer, body, "it is sunny")
+    assert response["object"] == "response" and response["instructions"] == "be brief"
+    assert response["status"] == "completed" and response["max_output_tokens"] == 5
+    (message,) = response["output"]
+    assert message["type"] == "message" and message["content"][0]["text"] == "it is sunny"
+    usage = response["usage"]
+    assert usage["output_tokens"] == 3 and usage["total_tokens"] == usage["input_tokens"] + 3
+    kinds = [e["type"] for e in sent]
+    opening = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    closing = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds == [*opening, *["response.output_text.delta"] * 3, *closing, "response.completed"]
+    assert "".join(e["delta"] for e in sent if e["type"] == "response.output_text.delta") == "it is sunny"
+    completed = sent[-1]["response"]
+    assert without_ids(completed["output"]) == without_ids(response["output"])
+    assert completed["usage"] == usage and sent[0]["response"]["status"] == "in_progress"
+    cut, sent = responded(preprocessor, tokenizer, body, "it is sunny", finish="length")  # out of tokens
+    for answered in (cut, sent[-1]["response"]):
+        assert answered["status"] == "incomplete" and answered["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_a_function_call_in_a_responses_answer_is_a_function_call_item(preprocessor, tokenizer):
+    body = {"input": "weather in paris?", "tools": [RESPONSES_TOOL], "tool_choice": "auto"}
+    response, sent = responded(preprocessor, tokenizer, body, CALL)
+    (call,) = response["output"]
+    assert call["type"] == "function_call" and call["name"] == "get_weather"
+    assert json.loads(call["arguments"]) == {"city": "Paris"}
+    assert without_ids(sent[-1]["response"]["output"]) == without_ids(response["output"])
+    assert "response.function_call_arguments.done" in [e["type"] for e in sent]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("background", True),
+        ("previous_response_id", "resp_1"),
+        ("tools", [{"type": "web_search_preview"}]),
+        ("include", ["message.output_text.logprobs"]),
+    ],
+)
+def test_what_responses_cannot_serve_is_a_400_naming_it(preprocessor, field, value):
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(preprocessor.prepare_responses({"model": CPU_MODEL, "input": "hi", field: value}))
+    assert refused.value.status == 400 and refused.value.param == field
+    with pytest.raises(RequestError) as emulated:
+        asyncio.run(Preprocessor(CPU_MODEL, CPU_CONTEXT).prepare_responses({"model": CPU_MODEL, "input": "hi"}))
+    assert emulated.value.status == 501

@@ -514,6 +514,74 @@ def test_prompt_logprobs_and_echo_answer_as_vllms_own_server_on_both_routes(cpu_
             assert ours.body["text"].startswith("the quick") == ("echo" in fields)
 
 
+def responded(url: str, body: dict, stream: bool) -> tuple[httpx.Response, dict]:
+    """A ``/v1/responses`` answer, and what the comparison reads of it: the response object's keys, status,
+    usage and output (items' types, roles, statuses and texts; their ids are random); streamed, also the events'
+    types in order (each run of text deltas as one), the texts the deltas add up to, the sequence numbers."""
+    body = {"model": MODEL, **body, "stream": stream}
+    if not stream:
+        r = httpx.post(f"{url}/v1/responses", json=body, timeout=600)
+        return r, (_read_response(r.json()) if r.status_code == 200 else r.json())
+    with httpx.stream("POST", f"{url}/v1/responses", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            return r, json.loads(r.read())
+        lines = list(r.iter_lines())
+    kinds = [line[7:] for line in lines if line.startswith("event: ")]
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    assert [e["type"] for e in events] == kinds and "[DONE]" not in lines
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    runs = [kind for i, kind in enumerate(kinds) if i == 0 or kind != kinds[i - 1] or not kind.endswith(".delta")]
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    final = _read_response(events[-1]["response"])
+    return r, {**final, "events": runs, "deltas": deltas}
+
+
+def _read_response(response: dict) -> dict:
+    items = [
+        (item["type"], item.get("role"), item.get("status"), [part.get("text") for part in item.get("content") or []])
+        for item in response["output"]
+    ]
+    usage = response["usage"] and {k: response["usage"][k] for k in ("input_tokens", "output_tokens", "total_tokens")}
+    fields = ("status", "incomplete_details", "max_output_tokens", "temperature", "instructions", "tool_choice")
+    return {"keys": sorted(response), "output": items, "usage": usage, **{k: response[k] for k in fields}}
+
+
+RESPONSES: dict[str, Callable[[int], dict]] = {  # a body, given the prompt's words
+    "text": lambda words: {"input": prompt(words), "max_output_tokens": 12, "temperature": 0.0},
+    "instructions and messages": lambda words: {
+        "instructions": "answer in one word",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": prompt(words)}]}],
+        "max_output_tokens": 12,
+        "temperature": 0.0,
+    },
+    "to an end of sequence": lambda words: {"input": prompt(words), "temperature": 0.0, "logit_bias": {"2": 100}},
+}
+
+
+@pytest.mark.parametrize("route, words", [("deflect", SHORT), ("prefill", LONG)])
+@pytest.mark.parametrize("case", list(RESPONSES))
+def test_responses_answer_as_vllms_own_server_on_both_routes(cpu_app, vllm_server, case, route, words):
+    """``/v1/responses``: the same response object (its fields, status, usage and output) as vLLM's server,
+    streamed or not, and the same events in the same order; what the app does not serve is a 400 naming it."""
+    url, _ = cpu_app
+    body = RESPONSES[case](words)
+    for stream in (False, True):
+        (mine, ours), (_, theirs) = responded(url, body, stream), responded(vllm_server, body, stream)
+        assert mine.status_code == 200 and mine.headers["x-kairos-route"] == route, ours
+        assert {k: v for k, v in ours.items() if k != "keys"} == {k: v for k, v in theirs.items() if k != "keys"}
+        assert set(ours["keys"]) - {"kairos"} == set(theirs["keys"])
+        if stream:
+            assert ours["deltas"] == "".join(text for *_, texts in ours["output"] for text in texts)
+    if case == "text":
+        for refused in (
+            {"background": True},
+            {"previous_response_id": "resp_1"},
+            {"tools": [{"type": "web_search_preview"}]},
+        ):
+            r = httpx.post(f"{url}/v1/responses", json={"model": MODEL, **body, **refused}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(refused)), r.text
+
+
 def choices_of(url: str, body: dict, stream: bool, chat: bool = False) -> tuple[dict[int, dict], dict, list[str]]:
     """(each choice of a response of several choices by its index: text, finish and stop reasons, token ids,
     logprobs, prompt ids; the usage; the routes the choices name, where they name them), streamed or not."""
@@ -606,22 +674,21 @@ def test_n_samples_answer_as_vllms_own_server(cpu_app, vllm_server, chat, route,
     body = request_of(chat, words, {"n": 3, "max_tokens": 10, "logprobs": 2}, SAMPLES[kind])
     if chat:
         body = {**body, "logprobs": True, "top_logprobs": 2}
-    for stream in (False, True):
-        if stream and kind == "echoed":
-            # vLLM's server fails this stream (its samples after the first have no prompt logprobs to echo): ours
-            # streams what it answers whole
-            streamed, _, _ = choices_of(url, body, True, chat)
-            for index, choice in streamed.items():
-                whole = {key: ours[index][key] for key in ("text", "finish_reason", "token_ids")}
-                assert {key: choice[key] for key in whole} == whole
-                assert_logprobs_close(choice["logprobs"], ours[index]["logprobs"])
-            continue
-        ours, routes = assert_same_choices(url, vllm_server, body, stream, count=3, chat=chat)
-        if kind == "seeded":
-            assert len({ours[i]["text"] for i in ours}) > 1  # three samples, not one thrice
-        elif not stream:
-            assert all(ours[i]["prompt_logprobs"] for i in ours)
+    whole, routes = assert_same_choices(url, vllm_server, body, False, count=3, chat=chat)
+    assert routes[0] == route
+    if kind == "seeded":
+        assert len({whole[i]["text"] for i in whole}) > 1  # three samples, not one thrice
+        streamed, routes = assert_same_choices(url, vllm_server, body, True, count=3, chat=chat)
         assert routes[0] == route
+        return
+    assert all(whole[i]["prompt_logprobs"] for i in whole)
+    # vLLM's server fails this stream (its samples after the first have no prompt logprobs to echo): ours streams
+    # what it answers whole
+    streamed, _, _ = choices_of(url, body, True, chat)
+    for index, choice in streamed.items():
+        same = {key: whole[index][key] for key in ("text", "finish_reason", "token_ids")}
+        assert {key: choice[key] for key in same} == same
+        assert_logprobs_close(choice["logprobs"], whole[index]["logprobs"])
 
 
 HONOURED = "honoured"  # the answer equals vLLM's server's and differs from the answer without the field
