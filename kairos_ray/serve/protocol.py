@@ -56,7 +56,15 @@ class Refusal:
 
     param: str  # the field, as the 400 names it
     reason: str
-    applies: Callable[[OpenAIRequest], bool]
+    applies: Callable[[Any], bool]  # of a request (vLLM's model of the endpoint's body)
+
+
+def first_refused(refusals: tuple[Refusal, ...], request: Any) -> RequestError | None:
+    """The 400 for the first of ``refusals`` that applies to ``request``, or None."""
+    for refused in refusals:
+        if refused.applies(request):
+            return RequestError(400, f"{refused.param}: {refused.reason}", refused.param)
+    return None
 
 
 MAX_CHOICES = 64
@@ -127,9 +135,9 @@ def refusal(request: OpenAIRequest) -> RequestError | None:
     over = _over_cap(request)
     if over is not None:
         return over
-    for refused in REFUSALS:
-        if refused.applies(request):
-            return RequestError(400, f"{refused.param}: {refused.reason}", refused.param)
+    refused = first_refused(REFUSALS, request)
+    if refused is not None:
+        return refused
     for i, message in enumerate(request.messages if isinstance(request, ChatCompletionRequest) else ()):
         content = message.get("content")
         for part in content if isinstance(content, list) else ():

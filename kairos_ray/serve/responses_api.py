@@ -40,29 +40,26 @@ from vllm.entrypoints.openai.responses.utils import build_response_output_items
 
 from kairos_ray.messages import TokenEvent
 from kairos_ray.serve.dispatch import RouteTaken
-from kairos_ray.serve.protocol import PreparedRequest, RequestError
+from kairos_ray.serve.protocol import PreparedRequest, Refusal, RequestError, first_refused
 from kairos_ray.serve.responses import Exposure, ResponseWriter
 
-REFUSED: tuple[tuple[str, str, Callable[[ResponsesRequest], bool]], ...] = (
-    ("previous_response_id", "stored responses are not served", lambda r: r.previous_response_id is not None),
-    ("background", "background mode is not served (responses are not stored)", lambda r: bool(r.background)),
-    ("prompt", "stored prompts are not served", lambda r: r.prompt is not None),
-    (
+REFUSED: tuple[Refusal, ...] = (
+    Refusal("previous_response_id", "stored responses are not served", lambda r: r.previous_response_id is not None),
+    Refusal("background", "background mode is not served (responses are not stored)", lambda r: bool(r.background)),
+    Refusal("prompt", "stored prompts are not served", lambda r: r.prompt is not None),
+    Refusal(
         "tools",
         "built-in tools are not served (function tools are)",
         lambda r: any(t.type != "function" for t in r.tools),
     ),
-    ("include", "output logprobs are not served on /v1/responses", lambda r: r.is_include_output_logprobs()),
+    Refusal("include", "output logprobs are not served on /v1/responses", lambda r: r.is_include_output_logprobs()),
 )
-"""(field, why, whether a request asks for it) of what ``/v1/responses`` refuses with a 400."""
+"""What ``/v1/responses`` refuses with a 400 (``ResponsesRequest`` s)."""
 
 
 def refusal(request: ResponsesRequest) -> RequestError | None:
     """The 400 for the first thing of ``request`` the app does not serve, or None."""
-    for param, reason, applies in REFUSED:
-        if applies(request):
-            return RequestError(400, f"{param}: {reason}", param)
-    return None
+    return first_refused(REFUSED, request)
 
 
 @dataclass(frozen=True, slots=True)
