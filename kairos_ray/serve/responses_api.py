@@ -15,7 +15,10 @@ parts opened, ``response.output_text.delta`` ..., closed,
 What the app cannot serve is a 400 naming the field (``REFUSED``): stored
 responses (``previous_response_id``; ``store`` is accepted and ignored, as
 by vLLM's server unless it stores), background mode, a stored ``prompt``,
-built-in tools (function tools are served), output logprobs (``include``).
+built-in tools (function tools are served), output logprobs (``include``),
+the rendered messages (``enable_response_messages``), and, as on the other
+endpoints, the app's own engine arguments (``kv_transfer_params``,
+``ec_transfer_params``, ``vllm_xargs``).
 Emulated engines have no tokenizer: there the endpoint is a 501.
 """
 
@@ -40,7 +43,7 @@ from vllm.entrypoints.openai.responses.utils import build_response_output_items
 
 from kairos_ray.messages import TokenEvent
 from kairos_ray.serve.dispatch import RouteTaken
-from kairos_ray.serve.protocol import PreparedRequest, Refusal, RequestError, first_refused
+from kairos_ray.serve.protocol import REFUSALS, PreparedRequest, Refusal, RequestError, first_refused
 from kairos_ray.serve.responses import Exposure, ResponseWriter
 
 REFUSED: tuple[Refusal, ...] = (
@@ -53,6 +56,12 @@ REFUSED: tuple[Refusal, ...] = (
         lambda r: any(t.type != "function" for t in r.tools),
     ),
     Refusal("include", "output logprobs are not served on /v1/responses", lambda r: r.is_include_output_logprobs()),
+    Refusal(
+        "enable_response_messages",
+        "the rendered messages are not returned",
+        lambda r: r.enable_response_messages,
+    ),
+    *(refused for refused in REFUSALS if refused.param in ("kv_transfer_params", "ec_transfer_params", "vllm_xargs")),
 )
 """What ``/v1/responses`` refuses with a 400 (``ResponsesRequest`` s)."""
 

@@ -37,6 +37,7 @@ from ray import serve
 from transformers import AutoTokenizer
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
 from kairos_ray.bench import faults
 from kairos_ray.bench.local import free_port
@@ -1004,3 +1005,120 @@ def test_every_per_request_structure_is_empty_once_idle(cpu_app):
         next(line for line in r.iter_lines() if line.startswith("data: "))  # then the client goes away
     found = wait_for_no_residue(within_s=120)
     assert {r.process.split("-")[0] for r in found} == {"ingress", "router", "prefill", "decode"}
+
+
+R_BASE = {"input": prompt(30), "max_output_tokens": 12, "temperature": 0.0}
+R_BIASED = {"temperature": 1.0, "seed": 3, "logit_bias": {"332": 7}}  # sampled, token 332 half the time (BIASED)
+R_FORCED_WORD = {"logit_bias": {"332": 100}}  # "prefill" at every step
+R_TOOL = {
+    "type": "function",
+    "name": "lookup",
+    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+}
+RESPONSES_FIELDS: dict[str, Served] = {
+    "background": Served(REFUSED, {"background": True}),
+    "include": Served(REFUSED, {"include": ["message.output_text.logprobs"]}),
+    "input": Served(HONOURED, {"input": prompt(31)}),
+    "instructions": Served(HONOURED, {"instructions": "answer in one word"}),
+    "max_output_tokens": Served(HONOURED, {"max_output_tokens": 4}),
+    "max_tool_calls": Served(HONOURED, {"max_tool_calls": 2}),  # echoed (it bounds built-in tools)
+    "metadata": Served(HONOURED, {"metadata": {"k": "v"}}),  # echoed
+    "model": Served(VLLM_REFUSES, {"model": "gpt-9"}),
+    "logit_bias": Served(HONOURED, R_FORCED_WORD),
+    "parallel_tool_calls": Served(HONOURED, {"parallel_tool_calls": False}),  # echoed
+    "previous_response_id": Served(REFUSED, {"previous_response_id": "resp_1"}),
+    "prompt": Served(REFUSED, {"prompt": {"id": "pmpt_1"}}),
+    "reasoning": Served(HONOURED, {"reasoning": {"effort": "low"}}),  # echoed
+    "include_reasoning": Served(INERT, {"include_reasoning": False}),  # no reasoning parser
+    "service_tier": Served(HONOURED, {"service_tier": "flex"}),  # echoed
+    "store": Served(INERT, {"store": False}),  # nothing is stored either way
+    "stream": Served(ELSEWHERE),  # test_responses_answer_as_vllms_own_server_on_both_routes
+    "temperature": Served(HONOURED, {**R_BIASED, "temperature": 1.5}, R_BIASED),
+    "text": Served(HONOURED, {"text": {"format": {"type": "json_object"}}}),
+    "tool_choice": Served(INERT, {"tool_choice": "auto"}),
+    "tools": Served(HONOURED, {"tools": [R_TOOL]}),  # the template renders them
+    "top_logprobs": Served(INERT, {"top_logprobs": 2}),  # without output logprobs asked for
+    "top_p": Served(HONOURED, {**R_BIASED, "top_p": 0.05}, R_BIASED),
+    "top_k": Served(HONOURED, {**R_BIASED, "top_k": 1}, R_BIASED),
+    "min_p": Served(HONOURED, {**R_BIASED, "min_p": 0.9}, R_BIASED),
+    "truncation": Served(HONOURED, {"truncation": "auto"}),  # echoed
+    "user": Served(HONOURED, {"user": "someone"}),  # echoed
+    "skip_special_tokens": Served(
+        HONOURED, {"logit_bias": {"1": 100}, "skip_special_tokens": False}, {"logit_bias": {"1": 100}}
+    ),
+    "include_stop_str_in_output": Served(
+        HONOURED,
+        {**R_FORCED_WORD, "stop": ["fill"], "include_stop_str_in_output": True},
+        {**R_FORCED_WORD, "stop": ["fill"]},
+    ),
+    "presence_penalty": Served(HONOURED, {"presence_penalty": 2.0}),
+    "frequency_penalty": Served(HONOURED, {"frequency_penalty": 2.0}),
+    "prompt_cache_key": Served(INERT, {"prompt_cache_key": "k"}),
+    "watermarking": Served(INERT, {"watermarking": True}),  # no watermark configured
+    "request_id": Served(HONOURED, {"request_id": "resp_field-test"}, keys=("id",)),
+    "session_id": Served(INERT, {"session_id": "s1"}),
+    "media_io_kwargs": Served(VLLM_REFUSES, {"media_io_kwargs": {"image": {}}}),
+    "mm_processor_kwargs": Served(INERT, {"mm_processor_kwargs": {}}),
+    "priority": Served(INERT, {"priority": 1}),  # first come, first served
+    "mm_payload": Served(INERT, {"mm_payload": "none"}),
+    "return_mm_kwargs": Served(INERT, {"return_mm_kwargs": False}),
+    "cache_salt": Served(INERT, {"cache_salt": "tenant-a"}),
+    "enable_response_messages": Served(REFUSED, {"enable_response_messages": True}),
+    "previous_input_messages": Served(  # read by vLLM's server with a stored previous response only
+        INERT,
+        {"previous_input_messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]},
+    ),
+    "structured_outputs": Served(HONOURED, {"structured_outputs": {"choice": ["yes", "no"]}}),
+    "repetition_penalty": Served(HONOURED, {"repetition_penalty": 2.0}),
+    "seed": Served(HONOURED, {**R_BIASED, "seed": 4}, R_BIASED),
+    "stop": Served(HONOURED, {**R_FORCED_WORD, "stop": ["fill"]}, R_FORCED_WORD),
+    "stop_token_ids": Served(HONOURED, {**R_FORCED_WORD, "stop_token_ids": [332]}, R_FORCED_WORD),
+    "ignore_eos": Served(HONOURED, {**FORCED, "ignore_eos": True}, FORCED),
+    "vllm_xargs": Served(REFUSED, {"vllm_xargs": {"key": 1}}),
+    "kv_transfer_params": Served(REFUSED, {"kv_transfer_params": {"do_remote_decode": True}}),
+    "ec_transfer_params": Served(REFUSED, {"ec_transfer_params": {}}),
+    "chat_template_kwargs": Served(INERT, {"chat_template_kwargs": {"unused": 1}}),  # the template does not read it
+}
+
+
+def test_the_responses_field_table_covers_every_field_of_vllms_responses_request():
+    assert set(RESPONSES_FIELDS) == set(ResponsesRequest.model_fields)
+
+
+def normalized(r: httpx.Response) -> dict:
+    """A ``/v1/responses`` body as two servers' can be compared: ids, times, the route and cached-token counts
+    (each server's own cache) left out."""
+    body = {k: v for k, v in r.json().items() if k not in ("id", "created_at", "kairos")}
+    if body.get("usage"):
+        body["usage"] = {k: v for k, v in body["usage"].items() if k != "input_tokens_details"}
+    body["output"] = [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in body["output"]]
+    return body
+
+
+@pytest.mark.parametrize("name", [n for n, s in RESPONSES_FIELDS.items() if s.kind != ELSEWHERE])
+def test_every_responses_field_is_served_as_vllm_serves_it_or_refused(cpu_app, vllm_server, name):
+    url, _ = cpu_app
+    served = RESPONSES_FIELDS[name]
+    assert not callable(served.fields) and not callable(served.baseline)
+
+    def post(server: str, fields: dict) -> httpx.Response:
+        return httpx.post(f"{server}/v1/responses", json={"model": MODEL, **R_BASE, **fields}, timeout=600)
+
+    ours = post(url, served.fields)
+    if served.kind == REFUSED:
+        assert ours.status_code == 400 and ours.json()["error"]["param"] == name, ours.text
+        return
+    theirs = post(vllm_server, served.fields)
+    if served.kind == VLLM_REFUSES:
+        assert 400 <= theirs.status_code < 500 and ours.status_code == theirs.status_code, (ours.text, theirs.text)
+        return
+    assert ours.status_code == theirs.status_code == 200, (ours.text, theirs.text)
+    if "id" in served.keys:
+        assert ours.json()["id"] == theirs.json()["id"] == served.fields["request_id"]
+        return
+    assert normalized(ours) == normalized(theirs)
+    baseline = normalized(post(url, served.baseline))
+    if served.kind == HONOURED:
+        assert normalized(ours) != baseline, f"{name} changed nothing"
+    else:
+        assert normalized(ours) == baseline
