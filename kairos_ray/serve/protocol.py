@@ -107,6 +107,7 @@ REFUSALS: tuple[Refusal, ...] = (
 
 LIST_CAPS: dict[str, int] = {
     "messages": 4096,
+    "input": 4096,  # ``/v1/responses``: its input's items
     "stop_token_ids": 1024,
     "bad_words": 256,
     "logit_bias": 1024,
@@ -117,7 +118,8 @@ LIST_CAPS: dict[str, int] = {
 MAX_ITEM_CHARS = 1024  # the longest stop string or bad word
 
 
-def _over_cap(request: OpenAIRequest) -> RequestError | None:
+def over_cap(request: Any) -> RequestError | None:
+    """The 400 for a list-valued field of ``request`` past its cap (``LIST_CAPS``, ``MAX_ITEM_CHARS``), or None."""
     for name, cap in LIST_CAPS.items():
         value = getattr(request, name, None)
         if isinstance(value, list | dict) and len(value) > cap:
@@ -132,7 +134,7 @@ def _over_cap(request: OpenAIRequest) -> RequestError | None:
 
 def refusal(request: OpenAIRequest) -> RequestError | None:
     """The 400 for the first thing of ``request`` the app does not serve (or over a cap), or None."""
-    over = _over_cap(request)
+    over = over_cap(request)
     if over is not None:
         return over
     refused = first_refused(REFUSALS, request)

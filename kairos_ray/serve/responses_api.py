@@ -12,7 +12,9 @@ parts opened, ``response.output_text.delta`` ..., closed,
 ``response.completed``, each ``event: <type>`` with a sequence number), and
 ``ResponsesResponse.from_request`` writes the response object.
 
-What the app cannot serve is a 400 naming the field (``REFUSED``): stored
+List-valued fields are capped as on the other endpoints (``protocol.LIST_CAPS``:
+the input's items, stop strings and token ids, logit biases). What the app
+cannot serve is a 400 naming the field (``REFUSED``): stored
 responses (``previous_response_id``; ``store`` is accepted and ignored, as
 by vLLM's server unless it stores), background mode, a stored ``prompt``,
 built-in tools (function tools are served), output logprobs (``include``),
@@ -43,7 +45,7 @@ from vllm.entrypoints.openai.responses.utils import build_response_output_items
 
 from kairos_ray.messages import TokenEvent
 from kairos_ray.serve.dispatch import RouteTaken
-from kairos_ray.serve.protocol import REFUSALS, PreparedRequest, Refusal, RequestError, first_refused
+from kairos_ray.serve.protocol import REFUSALS, PreparedRequest, Refusal, RequestError, first_refused, over_cap
 from kairos_ray.serve.responses import Exposure, ResponseWriter
 
 REFUSED: tuple[Refusal, ...] = (
@@ -67,8 +69,8 @@ REFUSED: tuple[Refusal, ...] = (
 
 
 def refusal(request: ResponsesRequest) -> RequestError | None:
-    """The 400 for the first thing of ``request`` the app does not serve, or None."""
-    return first_refused(REFUSED, request)
+    """The 400 for the first thing of ``request`` the app does not serve (or over a cap), or None."""
+    return over_cap(request) or first_refused(REFUSED, request)
 
 
 @dataclass(frozen=True, slots=True)

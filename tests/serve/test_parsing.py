@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from kairos_ray.messages import TokenEvent
 from kairos_ray.serve.args import AppArgs
-from kairos_ray.serve.protocol import RequestError
+from kairos_ray.serve.protocol import LIST_CAPS, MAX_ITEM_CHARS, RequestError
 from kairos_ray.serve.responses import Exposure, ResponseWriter, batch_body, reasoning_tokens
 from kairos_ray.serve.responses_api import ResponsesWriter
 from kairos_ray.serve.tokens import Preprocessor
@@ -265,3 +265,17 @@ def test_what_responses_cannot_serve_is_a_400_naming_it(preprocessor, field, val
     with pytest.raises(RequestError) as emulated:
         asyncio.run(Preprocessor(CPU_MODEL, CPU_CONTEXT).prepare_responses({"model": CPU_MODEL, "input": "hi"}))
     assert emulated.value.status == 501
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("input", [{"role": "user", "content": "hi"}] * (LIST_CAPS["input"] + 1)),
+        ("stop", ["x" * (MAX_ITEM_CHARS + 1)]),
+        ("stop_token_ids", [5] * (LIST_CAPS["stop_token_ids"] + 1)),  # in the vocabulary: only the cap refuses it
+    ],
+)
+def test_responses_lists_are_capped_as_on_the_other_endpoints(preprocessor, field, value):
+    with pytest.raises(RequestError) as capped:
+        asyncio.run(preprocessor.prepare_responses({"model": CPU_MODEL, "input": "hi", field: value}))
+    assert capped.value.status == 400 and capped.value.param == field
