@@ -134,10 +134,7 @@ def over_cap(request: Any) -> RequestError | None:
 
 def refusal(request: OpenAIRequest) -> RequestError | None:
     """The 400 for the first thing of ``request`` the app does not serve (or over a cap), or None."""
-    over = over_cap(request)
-    if over is not None:
-        return over
-    refused = first_refused(REFUSALS, request)
+    refused = over_cap(request) or first_refused(REFUSALS, request)
     if refused is not None:
         return refused
     for i, message in enumerate(request.messages if isinstance(request, ChatCompletionRequest) else ()):

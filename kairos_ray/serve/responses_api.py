@@ -94,6 +94,7 @@ class ResponsesWriter(ResponseWriter):
         self.turn = turn
         self.cached_tokens = route.cached_tokens if exposure is Exposure.FULL else 0  # another tenant's, maybe
         self.parser = turn.new_parser() if turn.new_parser is not None else None
+        self.prompt_ids = list(request.prompt_token_ids) if self.parser is not None else []  # the parser's, once
         self.events = SimpleStreamingEventProcessor(tools=turn.request.tools)
         self.sequence = 0  # the next event's sequence number
         self.generated: list[int] = []  # streamed: the token ids so far
@@ -182,7 +183,7 @@ class ResponsesWriter(ResponseWriter):
             delta_text=token.text,
             delta_token_ids=[token.token_id],
             request=self.turn.request,
-            prompt_token_ids=list(self.request.prompt_token_ids),
+            prompt_token_ids=self.prompt_ids,
             finished=token.finished,
         )
 

@@ -267,9 +267,7 @@ class Preprocessor:
         ``off_loop``: parse (and count an emulated prompt) in a thread, for large bodies.
         """
         request = await asyncio.to_thread(parse, data, chat) if off_loop else parse(data, chat)
-        if request.model is not None and request.model != self.model_id:  # a 404, as vLLM's server and OpenAI say
-            message = f"model {request.model!r} is not served here; available: {self.model_id!r}"
-            raise RequestError(404, message, "model")
+        self._check_model(request.model)
         refused = refusal(request)
         if refused is not None:
             raise refused
@@ -296,6 +294,7 @@ class Preprocessor:
         for (prompt_tokens, prompt_text, prompt_ids), engine_input in zip(prompts, inputs, strict=True):
             max_tokens, sampling = await self._sampling(request, prompt_tokens, engine_input, off_loop)
             echoed = options.echo and options.top_logprobs is not None and prompt_ids and self.tokenizer is not None
+            first_token = self.tokenizer.decode(prompt_ids[0]) if echoed else ""
             for sample in range(samples):
                 prepared.append(
                     PreparedRequest(
@@ -308,7 +307,7 @@ class Preprocessor:
                         priority=request.priority,
                         cache_salt=request.cache_salt,
                         sample=sample,
-                        first_token=self.tokenizer.decode(prompt_ids[0]) if echoed else "",
+                        first_token=first_token,
                     )
                 )
         return tuple(prepared)
@@ -318,28 +317,25 @@ class Preprocessor:
     ) -> tuple[int, Any]:
         """(max_tokens, ``SamplingParams``) of one prompt of ``request``, as vLLM's server resolves them, checked
         as its engine front end checks them; raises ``RequestError``."""
-        responses = isinstance(request, ResponsesRequest)
-        param = "input" if responses else "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+        chat = isinstance(request, ChatCompletionRequest)
+        param = "input" if isinstance(request, ResponsesRequest) else "messages" if chat else "prompt"
         if prompt_tokens < 1:
             raise RequestError(400, f"{param} is empty: it has no tokens", param)
-        if responses and prompt_tokens >= self.context_tokens:  # max_output_tokens past the context is cut to it
-            raise RequestError(
-                400, f"input ({prompt_tokens} tokens) fills the {self.context_tokens}-token context", param
-            )
-        requested = (
-            request.max_output_tokens if isinstance(request, ResponsesRequest) else _requested_max_tokens(request)
-        )
-        if not responses and requested is not None and prompt_tokens + requested > self.context_tokens:
-            raise RequestError(
-                400,
-                f"prompt ({prompt_tokens} tokens) plus max_tokens ({requested}) exceeds the "
-                f"{self.context_tokens}-token context",
-                param,
-            )
-        if isinstance(request, ResponsesRequest):
-            truncate = -1 if request.truncation != "disabled" else None
+        if isinstance(request, ResponsesRequest):  # a max_output_tokens past the context is cut to it
+            requested, truncate = request.max_output_tokens, -1 if request.truncation != "disabled" else None
+            if prompt_tokens >= self.context_tokens:
+                raise RequestError(
+                    400, f"input ({prompt_tokens} tokens) fills the {self.context_tokens}-token context", param
+                )
         else:
-            truncate = request.truncate_prompt_tokens
+            requested, truncate = _requested_max_tokens(request), request.truncate_prompt_tokens
+            if requested is not None and prompt_tokens + requested > self.context_tokens:
+                raise RequestError(
+                    400,
+                    f"prompt ({prompt_tokens} tokens) plus max_tokens ({requested}) exceeds the "
+                    f"{self.context_tokens}-token context",
+                    param,
+                )
         try:
             max_tokens = get_max_tokens(
                 self.context_tokens,
@@ -364,6 +360,11 @@ class Preprocessor:
         # echo with max_tokens 0 (the prompt alone): one token is generated and left out, as in vLLM's server
         return max(max_tokens, sampling.max_tokens or 0), sampling
 
+    def _check_model(self, model: str | None) -> None:
+        """A request naming another model is a 404, as vLLM's server and OpenAI answer it."""
+        if model is not None and model != self.model_id:
+            raise RequestError(404, f"model {model!r} is not served here; available: {self.model_id!r}", "model")
+
     async def prepare_responses(self, data: Any, off_loop: bool = False) -> tuple[PreparedRequest, ...]:
         """A ``/v1/responses`` request in ``data``, as one ``PreparedRequest`` (``serve.responses_api``): parsed,
         rendered and its sampling built as vLLM's server does it; raises ``RequestError``."""
@@ -374,10 +375,7 @@ class Preprocessor:
             if off_loop
             else _validated(ResponsesRequest, data)
         )
-        if request.model is not None and request.model != self.model_id:
-            raise RequestError(
-                404, f"model {request.model!r} is not served here; available: {self.model_id!r}", "model"
-            )
+        self._check_model(request.model)
         refused = responses_refusal(request)
         if refused is not None:
             raise refused
