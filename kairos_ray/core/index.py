@@ -52,7 +52,7 @@ one, every node is priced, as when ``prune`` is off.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress
@@ -62,9 +62,6 @@ from typing import Generic, TypeVar
 from kairos_ray.core.estimate import QueueTTFT, QueueWalks, after_committed
 from kairos_ray.core.latency import StepLatency, StepLatencyModel, tiles
 from kairos_ray.core.state import DecodeNodeView, PrefillNodeView
-
-SEGMENTS = 4
-"""At most this many parts a long prompt's steps are counted in (``_fewest_steps``)."""
 
 CHURN = 0.25
 """When more than this share of a pool's views changed since the last decision, it is priced node by node."""
@@ -98,11 +95,54 @@ def deflection_bound_s(
     """LB(W, f, K) (module docstring): no LargestSafe schedule of ``prompt_tokens`` cold tokens over
     ``candidates`` (decreasing) within ``budget_s`` per step finishes sooner on a node with this wait, batch cost
     and resident KV; inf when it has none."""
+    return (
+        wait_s
+        + _bound(model, prompt_tokens, model.c0 + batch_s + model.c_kv * kv_tokens, kv_tokens, candidates, budget_s)[0]
+    )
+
+
+def deflection_floor(
+    model: StepLatencyModel, prompt_tokens: int, step_s: float, candidates: Sequence[int], budget_s: float
+) -> tuple[float, int]:
+    """(E, m): LB with W = 0, K = 0 and T0 - c0 = ``step_s``, below every node's whose T0 - c0 is at least
+    that, and at least how fast it grows with T0: E(x') >= E + m (x' - x) for x' >= x (module docstring)."""
+    return _bound(model, prompt_tokens, model.c0 + step_s, 0.0, candidates, budget_s)
+
+
+class Floor:
+    """E(x) of one request (``deflection_floor``) over ascending x, evaluated only where the line below it from
+    the last point evaluated cannot decide: E grows at least m per second of x past it."""
+
+    def __init__(self, model: StepLatencyModel, prompt_tokens: int, candidates: Sequence[int], budget_s: float) -> None:
+        self._model, self._tokens, self._candidates, self._budget_s = model, prompt_tokens, candidates, budget_s
+        self._at, self._value, self._slope = 0.0, 0.0, 0  # below every E until the first evaluation
+
+    def below(self, x: float) -> float:
+        """At most E(x), from the last evaluation (x at least its point)."""
+        return self._value + self._slope * (x - self._at) * (1 - SAFETY)
+
+    def at(self, x: float) -> float:
+        """E(x), evaluated (x at least the last point evaluated)."""
+        if x != self._at or not self._slope:
+            self._value, self._slope = deflection_floor(self._model, self._tokens, x, self._candidates, self._budget_s)
+            self._at = x
+        return self._value
+
+
+def _bound(
+    model: StepLatencyModel,
+    prompt_tokens: int,
+    t0: float,
+    kv_tokens: float,
+    candidates: Sequence[int],
+    budget_s: float,
+) -> tuple[float, int]:
+    """(LB less W, the fewest steps it counts) for a node whose decode part of a step is ``t0``; (inf, 0)
+    when it has no schedule."""
     tokens = float(prompt_tokens)
-    t0 = model.c0 + batch_s + model.c_kv * kv_tokens
     shape = _fewest_steps(model, prompt_tokens, t0, kv_tokens, candidates, budget_s)
     if shape is None:
-        return math.inf
+        return math.inf, 0
     fewest, cap = shape
     square = model.c_chunk_sq
     growth = model.c_kv + model.c_prefix  # per step, per token of the request's own prefix P_i
@@ -116,15 +156,14 @@ def deflection_bound_s(
     else:
         steps, squares_s = float(fewest), spread * cap * tokens
     seconds = (
-        wait_s
-        + steps * per_step
+        steps * per_step
         - growth * tokens / 2
         + model.c_chunk * tiles(prompt_tokens, model.tile_tokens)
         + model.c_chunk_kv * kv_tokens * tokens
         + pair * tokens * tokens / 2
         + squares_s
     )
-    return seconds * (1 - SAFETY)
+    return seconds * (1 - SAFETY), fewest
 
 
 def _fewest_steps(
@@ -133,32 +172,84 @@ def _fewest_steps(
     """(m, chi_max): at least how many steps a LargestSafe schedule takes on a node whose decode part of a step
     is ``t0``, and the largest chunk it can run; None when it has no schedule.
 
-    A chunk fits when c_chunk_sq chi^2 + (c_chunk + c_chunk_kv (K + P) + c_chunk_prefix P) chi <= beta tau - t0
-    - (c_kv + c_prefix) P (Eq. 4's terms that grow with it dropped), so the largest chunk shrinks as the prefix
-    P grows: a prompt longer than a few first chunks is counted in up to ``SEGMENTS`` parts, each at the P it
-    starts from.
+    A step of chunk chi from the request's own prefix P costs base(chi) + slope(chi) P (Eq. 4 with K + P
+    resident), so a candidate c is safe exactly while P <= p(c) = (beta tau - base(c)) / slope(c), and p
+    does not grow with c. Every step but the last runs a candidate safe where it starts, so from P it
+    reaches at most P + A(P), A(P) the largest candidate with p(c) >= P; the last reaches at most P + L(P),
+    L the largest real chunk that fits (``_largest_chunk``). With R(Q) = max over P <= Q of P + A(P), a
+    schedule's i-th step starts at or before Q_i (Q_0 = 0, Q_(i+1) = R(Q_i)), so it takes at least one step
+    more than the first i at which the last one's reach from Q_i covers the prompt. Q advances by one
+    candidate per step between the p's: counted in closed form, a run at a time.
     """
     most = _largest_chunk(model, t0, kv_tokens, 0.0, budget_s)
     if most < 1:
         return None
     if prompt_tokens <= most:
         return 1, prompt_tokens
-    # every chunk but the last is a candidate that fits (at most the largest such, c*); the last, at most `most`
-    largest = next((c for c in candidates if c <= most), 0)
-    if not largest:
-        return None
-    fewest = 1 + -(-(prompt_tokens - math.floor(most)) // largest)
-    parts = min(SEGMENTS, int(prompt_tokens // most))
-    if parts > 1:  # no chunk spans a part: each part's tokens past the previous one's overhang, at its own P
-        part = prompt_tokens / parts
-        counted, overhang = 0, 0.0
-        for j in range(parts):
-            reach = _largest_chunk(model, t0, kv_tokens, j * part, budget_s)
-            if reach < 1:
-                return None
-            counted += math.ceil(max(0.0, part - overhang) / reach)
-            overhang = reach
-        fewest = max(fewest, counted)
+    room = budget_s * (1 + SAFETY)
+    growth = model.c_kv + model.c_prefix  # per token of P, per step
+    pair = model.c_chunk_kv + model.c_chunk_prefix  # per chunk token per token of P
+    tile, per_chunk, square = model.tile_tokens, model.c_chunk, model.c_chunk_sq
+    per_kv = model.c_chunk_kv * kv_tokens
+    limits = []  # (c, p(c)), c decreasing, p(c) non-decreasing
+    for c in candidates:
+        base = t0 + per_chunk * (-(-c // tile) * tile) + c * (per_kv + square * c)
+        if base <= room:
+            slope = growth + pair * c
+            limits.append((c, (room - base) / slope if slope > 0 else math.inf))
+    # P + L(P) never falls as P grows when dL/dP >= -1 (implicit derivative of _largest_chunk's quadratic)
+    rising = per_chunk + per_kv >= pair * most + growth
+    free, per_token = room - t0, per_chunk + per_kv
+
+    def reach(start: float) -> float:
+        """At least what P + L(P) is at every P up to ``start`` (L as ``_largest_chunk`` solves it)."""
+        if not rising:
+            return start + most
+        left, linear = free - growth * start, per_token + pair * start
+        if left < linear + square:
+            return start
+        scale = linear + math.sqrt(linear * linear + 4 * square * left)
+        return start + (2 * left / scale if scale > 0 else math.inf)
+
+    def doubled(start: float) -> float:
+        """R2(Q) = max over P <= Q of P + 2 A(P): what a step and the last, no larger, reach from before Q."""
+        most_s = -math.inf
+        for c, p in limits:
+            if p >= start:
+                return max(most_s, start + 2 * c)
+            most_s = max(most_s, p + 2 * c)
+        return most_s
+
+    start, before, steps, jump, j = 0.0, 0.0, 0, -math.inf, 0  # jump: the most a candidate left behind reaches
+    while reach(start) < prompt_tokens:
+        while j < len(limits) and limits[j][1] < start:
+            jump = max(jump, limits[j][1] + limits[j][0])
+            j += 1
+        if j == len(limits) or jump >= start + limits[j][0]:
+            if jump <= start:
+                return None  # no schedule gets past `start`
+            before, start, steps = start, jump, steps + 1
+            continue
+        chunk, last = limits[j]
+        last = min(last, start + prompt_tokens)  # safe all the way (p infinite): past the prompt is as far
+        leave = math.floor((last - start) / chunk) + 1  # steps until past p(c)
+        k, tries = max(1, math.ceil((prompt_tokens - reach(start)) / chunk)), 0  # L only shrinks as P grows
+        while k < leave and tries < 3 and (short := prompt_tokens - reach(start + k * chunk)) > 0:
+            k, tries = k + max(1, math.ceil(short / chunk)), tries + 1  # L at k bounds it beyond
+        if k < leave:
+            before, start, steps = start + (k - 1) * chunk, start + k * chunk, steps + k
+            break
+        before, start, steps = start + (leave - 1) * chunk, start + leave * chunk, steps + leave
+    # the last step reaches from Q_steps; the one before it, no smaller, from Q_(steps - 1)
+    fewest = steps + (1 if doubled(before) >= prompt_tokens else 2)
+    if fewest <= 3:  # few steps: the first starts at 0 exactly, and each chunk is at most the one before it
+        firsts = [c for c, p in limits if p >= 0]
+        if fewest == 2 and max(c + min(c, reach(c) - c) for c in firsts) < prompt_tokens:
+            fewest = 3
+        if fewest == 3:
+            seconds = [next((c for c, p in limits if c <= first and p >= first), 0) for first in firsts]
+            if max(a + b + min(b, reach(a) - a) for a, b in zip(firsts, seconds, strict=True)) < prompt_tokens:
+                fewest = 4
     return fewest, math.floor(most)
 
 
@@ -172,18 +263,6 @@ def _largest_chunk(model: StepLatencyModel, t0: float, kv_tokens: float, prefix:
         return 0.0
     scale = per_token + math.sqrt(per_token * per_token + 4 * square * room)
     return 2 * room / scale if scale > 0 else math.inf
-
-
-WEIGHTS = (1, 2, 4, 8, 16, 32, 64)
-"""The slopes k of the deflection lists' keys W + k (T0 - c0) (``DecodeIndex``)."""
-
-
-def idle_slope(model: StepLatencyModel, prompt_tokens: int, candidates: Sequence[int], budget_s: float) -> int:
-    """The list a request is searched by: the largest k of ``WEIGHTS`` at most the fewest steps of its schedule
-    on an idle node (LB grows at least that fast with T0; module docstring)."""
-    shape = _fewest_steps(model, prompt_tokens, model.c0, 0.0, candidates, budget_s)
-    fewest = shape[0] if shape else 1
-    return max(k for k in WEIGHTS if k <= fewest)
 
 
 def link_tokens(node: DecodeNodeView, setup_tokens: int) -> int:
@@ -207,30 +286,87 @@ K = TypeVar("K")
 
 
 class SortedPairs(Generic[K]):
-    """(key, id) pairs in ascending order, kept sorted as they come and go: ``keys[d]`` and ``ids[d]`` are the
-    d-th smallest (ids are positions or twin groups)."""
+    """(key, id) pairs in ascending order, kept sorted as they come and go: ``pairs[d]`` is the d-th smallest
+    (ids are positions or twin groups)."""
 
     def __init__(self, pairs: list[tuple[K, int]]) -> None:
         pairs.sort()
-        self._pairs = pairs
-        self.keys = [key for key, _ in pairs]
-        self.ids = [id_ for _, id_ in pairs]
+        self.pairs = pairs
 
     def add(self, key: K, id_: int) -> None:
-        at = bisect_left(self._pairs, (key, id_))
-        self._pairs.insert(at, (key, id_))
-        self.keys.insert(at, key)
-        self.ids.insert(at, id_)
+        insort(self.pairs, (key, id_))
 
     def remove(self, key: K, id_: int) -> None:
-        at = bisect_left(self._pairs, (key, id_))
-        del self._pairs[at], self.keys[at], self.ids[at]
+        del self.pairs[bisect_left(self.pairs, (key, id_))]
 
     def __len__(self) -> int:
-        return len(self._pairs)
+        return len(self.pairs)
 
 
-@dataclass(frozen=True, slots=True)
+BLOCK = 32
+"""A deflection list's blocks hold between this many and twice as many nodes (``SortedBlocks``)."""
+
+Pair = tuple[tuple[float, float], int]
+
+
+class SortedBlocks:
+    """((x, W), id) pairs in ascending order, in consecutive blocks of at most 2 ``BLOCK``, each with the least W
+    it holds (``lows``): a search passes over a block whose first x and least W rule out every node in it."""
+
+    def __init__(self) -> None:
+        self.blocks: list[list[Pair]] = []
+        self.lows: list[float] = []
+        self._at_low: list[int] = []  # how many pairs of each block have its least W
+        self._firsts: list[Pair] = []
+
+    def _block(self, pair: Pair) -> int:
+        return max(0, bisect_right(self._firsts, pair) - 1)
+
+    def _settle(self, at: int) -> None:
+        """Recount block ``at``'s least W."""
+        waits = [key[1] for key, _ in self.blocks[at]]
+        self.lows[at] = low = min(waits)
+        self._at_low[at] = waits.count(low)
+
+    def add(self, key: tuple[float, float], id_: int) -> None:
+        pair = (key, id_)
+        if not self.blocks:
+            self.blocks, self.lows, self._at_low, self._firsts = [[pair]], [key[1]], [1], [pair]
+            return
+        at = self._block(pair)
+        block = self.blocks[at]
+        insort(block, pair)
+        self._firsts[at] = block[0]
+        if key[1] < self.lows[at]:
+            self.lows[at], self._at_low[at] = key[1], 1
+        elif key[1] == self.lows[at]:
+            self._at_low[at] += 1
+        if len(block) > 2 * BLOCK:
+            half = block[BLOCK:]
+            del block[BLOCK:]
+            self.blocks.insert(at + 1, half)
+            self._firsts.insert(at + 1, half[0])
+            self.lows.insert(at + 1, 0.0)
+            self._at_low.insert(at + 1, 0)
+            self._settle(at)
+            self._settle(at + 1)
+
+    def remove(self, key: tuple[float, float], id_: int) -> None:
+        pair = (key, id_)
+        at = self._block(pair)
+        block = self.blocks[at]
+        del block[bisect_left(block, pair)]
+        if not block:
+            del self.blocks[at], self.lows[at], self._at_low[at], self._firsts[at]
+            return
+        self._firsts[at] = block[0]
+        if key[1] == self.lows[at]:
+            self._at_low[at] -= 1
+            if not self._at_low[at]:
+                self._settle(at)
+
+
+@dataclass(slots=True)
 class DecodeEntry:
     """What a decode node's answers depend on besides the request (module docstring)."""
 
@@ -242,6 +378,8 @@ class DecodeEntry:
     batch_s: float  # f(B)
     first_step_s: float  # a hand-off's first step, less c0 and c_kv l: f(B + I + 1) + c_kv (K + I_p)
     link: tuple[int, int, int]  # the hand-off ranking less the request: (link tokens, hand-offs, -headroom)
+    plan_key: tuple[float, float]  # (x, W), x = T0 - c0 = f(B) + c_kv K: where its deflection bound starts
+    twin: tuple[object, ...]  # ``twin_key``
 
 
 def twin_key(node: DecodeNodeView) -> tuple[object, ...]:
@@ -277,15 +415,11 @@ class Groups:
         self, group_key: Callable[[DecodeEntry], Hashable], sort_keys: Callable[[DecodeEntry], tuple[SortKey, ...]]
     ) -> None:
         self._group_key, self._sort_keys = group_key, sort_keys
-        self.lists: tuple[SortedPairs[SortKey], ...] = ()
+        self.lists: tuple[SortedPairs[SortKey], ...] = (SortedPairs([]), SortedPairs([]))
         self.positions: dict[int, list[int]] = {}  # group id -> its positions, ascending
         self._ids: dict[Hashable, int] = {}
         self._of: dict[int, int] = {}  # position -> group id
         self._next = 0
-
-    def clear(self, count: int) -> None:
-        self.lists = tuple(SortedPairs([]) for _ in range(count))
-        self.positions, self._ids, self._of = {}, {}, {}
 
     def join(self, position: int, entry: DecodeEntry) -> None:
         key = self._group_key(entry)
@@ -376,33 +510,29 @@ class _Index:
 
 
 class ModelGroups:
-    """The decode nodes of one model: for deflections grouped by (W, B, K) and sorted by W + k (T0 - c0) per slope
-    k; for hand-offs grouped as twins and sorted by a hand-off's first step and by its link ranking."""
+    """The decode nodes of one model: for deflections in blocks by (T0 - c0, W) and sorted by (W, T0 - c0); for
+    hand-offs grouped as twins
+    and sorted by a hand-off's first step and by its link ranking."""
 
     def __init__(self, model: StepLatencyModel) -> None:
         self.model = model
-        self.plans = Groups(lambda e: (e.wait_s, e.batch_size, e.kv_tokens), self._plan_keys)
-        self.twins = Groups(lambda e: twin_key(e.node), lambda e: ((e.first_step_s,), e.link))
-        self.plans.clear(len(WEIGHTS))
-        self.twins.clear(2)
-
-    def _plan_keys(self, entry: DecodeEntry) -> tuple[SortKey, ...]:
-        """Each deflection list's key, W + k (T0 - c0) per slope k of ``WEIGHTS`` (then T0, the lighter node
-        first)."""
-        step_s = entry.batch_s + self.model.c_kv * entry.kv_tokens  # T0 - c0
-        return tuple((entry.wait_s + k * step_s, step_s) for k in WEIGHTS)
+        self.plans = SortedBlocks()
+        self.by_wait: SortedPairs[tuple[float, float]] = SortedPairs([])  # (W, x): where a search starts
+        self.twins = Groups(lambda e: e.twin, lambda e: ((e.first_step_s,), e.link))
 
     def join(self, position: int, entry: DecodeEntry) -> None:
-        self.plans.join(position, entry)
+        self.plans.add(entry.plan_key, position)
+        self.by_wait.add(entry.plan_key[::-1], position)
         self.twins.join(position, entry)
 
     def leave(self, position: int, entry: DecodeEntry) -> None:
-        self.plans.leave(position, entry)
+        self.plans.remove(entry.plan_key, position)
+        self.by_wait.remove(entry.plan_key[::-1], position)
         self.twins.leave(position, entry)
 
     @property
     def empty(self) -> bool:
-        return not self.plans.positions
+        return not self.twins.positions
 
 
 class DecodeIndex(_Index):
@@ -426,8 +556,10 @@ class DecodeIndex(_Index):
         bound_batch, bound_kv = node.with_bound
         first_step_s = batch_cost_s(model, bound_batch + 1) + model.c_kv * bound_kv
         link = (link_tokens(node, self.setup_tokens), node.incoming_requests, -node.headroom_kv_tokens)
+        batch_s = batch_cost_s(model, batch_size)
+        plan_key = (batch_s + model.c_kv * kv_tokens, wait_s)
         return DecodeEntry(
-            node, model, wait_s, batch_size, kv_tokens, batch_cost_s(model, batch_size), first_step_s, link
+            node, model, wait_s, batch_size, kv_tokens, batch_s, first_step_s, link, plan_key, twin_key(node)
         )
 
     def _join(self, position: int, entry: DecodeEntry) -> None:

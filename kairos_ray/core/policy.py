@@ -79,12 +79,11 @@ from kairos_ray.core.estimate import (
 )
 from kairos_ray.core.index import (
     SAFETY,
-    WEIGHTS,
     DecodeIndex,
+    Floor,
     PrefillIndex,
     bounded,
     deflection_bound_s,
-    idle_slope,
     link_tokens,
     planned_beside,
 )
@@ -187,6 +186,10 @@ class _PrefillOption:
     cached_tokens: int  # prompt tokens the node's cache holds (as priced)
     kv_wait_s: float  # estimated wait of its KV for a decode node that can take it (0 with admission off)
     target: DecodeNodeView | None  # with admission on, the decode node its KV goes to (``_earliest_handoff``)
+
+
+SEEDS = 4
+"""Nodes of least W a pruned deflection search tries before its scan (``_deflection_pruned``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,7 +356,7 @@ class _BasePolicy:
                 best, best_s, best_cached = position, seconds, cached
         for model, by_wait in index.by_wait.items():
             cold_s = own(model, prompt_tokens, 0, chunk)
-            for wait_s, position in zip(by_wait.keys, by_wait.ids, strict=True):
+            for wait_s, position in by_wait.pairs:
                 seconds = wait_s + cold_s
                 if seconds > best_s:
                     break
@@ -401,7 +404,7 @@ class _BasePolicy:
             model = groups.model
             floor_s = prefill.ttft_s + transfer_s + model.c0 + model.c_kv * prompt_tokens
             by_first_step = groups.twins.lists[0]
-            for first_step_s, group in zip(by_first_step.keys, by_first_step.ids, strict=True):
+            for first_step_s, group in by_first_step.pairs:
                 if best.target is not None and (floor_s + first_step_s[0]) * (1 - SAFETY) > best.ttft_s:
                     break
                 first = groups.twins.first_of(group, held)
@@ -471,7 +474,8 @@ class _BasePolicy:
         best: _DecodeOption | None = None
         best_at = -1
 
-        def price(position: int, cached: int) -> None:
+        def price(position: int, cached: int, bounded: bool = False) -> None:
+            """Sweep the node unless its bound (known below the best when ``bounded``) rules it out."""
             nonlocal best, best_at
             entry = index.entries[position]
             if entry.node.headroom_kv_tokens < prompt_tokens - cached + output_tokens:
@@ -483,7 +487,7 @@ class _BasePolicy:
                 limit_s = best.ttft_s - wait_s
                 if limit_s <= 0.0:
                     return
-                if not cached:
+                if not cached and not bounded:
                     bound_s = deflection_bound_s(
                         model, prompt_tokens, wait_s, entry.batch_s, kv_tokens, candidates, budget_s
                     )
@@ -507,17 +511,33 @@ class _BasePolicy:
         def has_room(position: int) -> bool:
             return entries[position].node.headroom_kv_tokens >= prompt_tokens + output_tokens
 
-        # LB >= LB(idle) + W + k (T0 - c0) (core.index): each model's nodes in that order, until it passes the best
+        # each model's nodes in blocks by x = T0 - c0, W counted apart: a node's bound is at least W + E(x)
         for groups in index.groups.values():
-            model = groups.model
-            slope = idle_slope(model, prompt_tokens, candidates, budget_s)
-            by = groups.plans.lists[WEIGHTS.index(slope)]
-            idle_s = deflection_bound_s(model, prompt_tokens, 0.0, 0.0, 0.0, candidates, budget_s)
-            for key, group in zip(by.keys, by.ids, strict=True):
-                if best is not None and (idle_s + key[0]) * (1 - SAFETY) > best.ttft_s:
-                    break
-                if (first := groups.plans.first_of(group, held, has_room)) is not None:
-                    price(first, 0)
+            floor = Floor(groups.model, prompt_tokens, candidates, budget_s)
+            own = groups.model.c_chunk_kv > 0  # K counts beyond x: a node's own bound is higher than W + E(x)
+            swept = None  # the (W, B, K) last priced: a node alike, later in the view, cannot win
+            seed = next((at for _, at in groups.by_wait.pairs[:SEEDS] if at not in held and has_room(at)), -1)
+            if seed >= 0:  # the least W first: the best found early prunes the scan sooner
+                price(seed, 0)
+            for block, low in zip(groups.plans.blocks, groups.plans.lows, strict=True):
+                if best is not None:
+                    first_x, limit_s = block[0][0][0], best.ttft_s / (1 - SAFETY)
+                    if floor.below(first_x) > limit_s:
+                        break  # every node from here on, whatever its W
+                    if floor.below(first_x) + low > limit_s or floor.at(first_x) + low > limit_s:
+                        if floor.at(first_x) > limit_s:
+                            break
+                        continue
+                for (x, wait_s), position in block:
+                    if best is not None:
+                        limit_s = best.ttft_s / (1 - SAFETY) - wait_s
+                        if floor.below(x) > limit_s or floor.at(x) > limit_s:
+                            continue
+                    entry = entries[position]
+                    alike = (wait_s, entry.batch_size, entry.kv_tokens)
+                    if alike != swept and position != seed and position not in held and has_room(position):
+                        swept = alike
+                        price(position, 0, bounded=not own)
         return best, 0, 0
 
     def _handoff_target(
@@ -577,7 +597,7 @@ class _BasePolicy:
                     best = ranked if best is None else min(best, ranked)
             for groups in index.groups.values():
                 by_link = groups.twins.lists[1]
-                for link, group in zip(by_link.keys, by_link.ids, strict=True):
+                for link, group in by_link.pairs:
                     if best is not None and (link[0] + prompt_tokens, link[1], link[2]) > best[0]:
                         break
                     first = groups.twins.first_of(group, holding)

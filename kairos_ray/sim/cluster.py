@@ -59,14 +59,32 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
+from typing import TypeVar
 
 import numpy as np
 
-from kairos_ray.core import BlockCache, ClusterView, Policy, PrefixHits, Route, StepLatency, handoff_fits
+from kairos_ray.core import (
+    BlockCache,
+    ClusterView,
+    DecodeNodeView,
+    Policy,
+    PrefillNodeView,
+    PrefixHits,
+    Route,
+    StepLatency,
+    handoff_fits,
+)
 from kairos_ray.emulation import ClusterHardware, StepNoise
 from kairos_ray.metrics import RequestRecord
 from kairos_ray.nodes import DecodeNode, Job, PrefillNode
 from kairos_ray.workloads import Workload
+
+V = TypeVar("V", PrefillNodeView, DecodeNodeView)
+
+
+def _kept(last: V, now: V) -> V:
+    """``last`` when it equals ``now``: the same object for a node that has not changed."""
+    return last if last == now else now
 
 
 class Kind(IntEnum):
@@ -165,6 +183,7 @@ class ClusterSim:
         self.probe_every = probe_every
         self._num_shed = 0
         self.probes: dict[int, RequestRecord] = {}
+        self._last_view: ClusterView | None = None
 
     def _push(self, time_s: float, kind: Kind, payload: object) -> None:
         self._seq += 1
@@ -173,8 +192,18 @@ class ClusterSim:
     # ---- the view a policy decides on ------------------------------------------------------
 
     def view(self) -> ClusterView:
-        """The cluster as the router would see it now (exact state)."""
-        return ClusterView(tuple(n.view() for n in self.prefill), tuple(n.view() for n in self.decode))
+        """The cluster as the router would see it now (exact state).
+
+        A node whose view has not changed since the last decision keeps its view object, as a router keeps a
+        node's last report: the policy's index (``core.index``) then updates only the nodes that changed.
+        """
+        last = self._last_view
+        prefill = tuple(map(_kept, last.prefill, (n.view() for n in self.prefill))) if last else None
+        decode = tuple(map(_kept, last.decode, (n.view() for n in self.decode))) if last else None
+        if prefill is None or decode is None:
+            prefill, decode = tuple(n.view() for n in self.prefill), tuple(n.view() for n in self.decode)
+        self._last_view = ClusterView(prefill, decode)
+        return self._last_view
 
     def hits(self, job: Job) -> PrefixHits | None:
         """What each node's cache holds of the job's prompt; None without prefix identity."""

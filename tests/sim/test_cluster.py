@@ -1,6 +1,7 @@
 """The event loop, the KV link, the decode batcher and the sim/core agreement, on cases small enough to do by hand."""
 
 import itertools
+import operator
 from dataclasses import replace
 
 import pytest
@@ -250,3 +251,29 @@ def test_without_prefix_identity_no_node_keeps_a_cache():
     sim = ClusterSim(make_policy("kairos+prefix", PARAMS, MODEL), Fixed(), HW, 1, 1, 100)
     sim.run(Workload("cold", (Request(0.0, 100, 2),)))
     assert sim.prefill[0].cache is None and sim.decode[0].cache is None
+
+
+def test_a_large_cluster_decides_on_its_index_as_the_exhaustive_search_would():
+    """Views of nodes that did not change stay the same objects between decisions, so the policy's index
+    updates only the changed ones (``core.index``), and a run decides exactly as pricing every node does."""
+    from kairos_ray.config import KairosConfig
+    from kairos_ray.sim.run import SimSetup
+    from kairos_ray.workloads.synthetic import synthetic
+
+    workload = synthetic("bursty", 160, 600, seed=2)
+    runs = {}
+    for prune in (True, False):
+        setup = replace(SimSetup.from_config(KairosConfig.model_validate({"policy": {"prune": prune}})), num_prefill=24)
+        recording = Recording(setup.policy("kairos"))
+        sim = ClusterSim(recording, setup.truth, setup.hardware, 24, 24, 2048)
+        runs[prune] = sim.run(workload), recording.calls
+    (pruned, calls), (exhaustive, _) = runs[True], runs[False]
+    assert [(r.route, r.decode_node, r.ttft_s) for r in pruned.records] == [
+        (r.route, r.decode_node, r.ttft_s) for r in exhaustive.records
+    ]
+    assert sum(1 for r in pruned.records if r.route == Route.DEFLECT) > 50
+    kept = [
+        sum(map(operator.is_, view.decode, next_view.decode)) / len(view.decode)
+        for (_, view, _), (_, next_view, _) in itertools.pairwise(calls)
+    ]
+    assert sorted(kept)[len(kept) // 2] > 0.8
