@@ -379,7 +379,9 @@ class DecodeEntry:
     first_step_s: float  # a hand-off's first step, less c0 and c_kv l: f(B + I + 1) + c_kv (K + I_p)
     link: tuple[int, int, int]  # the hand-off ranking less the request: (link tokens, hand-offs, -headroom)
     plan_key: tuple[float, float]  # (x, W), x = T0 - c0 = f(B) + c_kv K: where its deflection bound starts
+    wait_key: tuple[float, float]  # (W, x)
     twin: tuple[object, ...]  # ``twin_key``
+    twin_keys: tuple[SortKey, SortKey]  # its twins' keys for hand-offs: ((first step,), link)
 
 
 def twin_key(node: DecodeNodeView) -> tuple[object, ...]:
@@ -411,35 +413,31 @@ class Groups:
     group however many there are.
     """
 
-    def __init__(
-        self, group_key: Callable[[DecodeEntry], Hashable], sort_keys: Callable[[DecodeEntry], tuple[SortKey, ...]]
-    ) -> None:
-        self._group_key, self._sort_keys = group_key, sort_keys
-        self.lists: tuple[SortedPairs[SortKey], ...] = (SortedPairs([]), SortedPairs([]))
+    def __init__(self, count: int) -> None:
+        self.lists: tuple[SortedPairs[SortKey], ...] = tuple(SortedPairs([]) for _ in range(count))
         self.positions: dict[int, list[int]] = {}  # group id -> its positions, ascending
         self._ids: dict[Hashable, int] = {}
         self._of: dict[int, int] = {}  # position -> group id
         self._next = 0
 
-    def join(self, position: int, entry: DecodeEntry) -> None:
-        key = self._group_key(entry)
+    def join(self, position: int, key: Hashable, sort_keys: tuple[SortKey, ...]) -> None:
         group = self._ids.get(key)
         if group is None:
             group, self._next = self._next, self._next + 1
             self._ids[key], self.positions[group] = group, [position]
-            for pairs, sort_key in zip(self.lists, self._sort_keys(entry), strict=True):
+            for pairs, sort_key in zip(self.lists, sort_keys, strict=True):
                 pairs.add(sort_key, group)
         else:
             insort(self.positions[group], position)
         self._of[position] = group
 
-    def leave(self, position: int, entry: DecodeEntry) -> None:
+    def leave(self, position: int, key: Hashable, sort_keys: tuple[SortKey, ...]) -> None:
         group = self._of.pop(position)
         members = self.positions[group]
         members.remove(position)
         if not members:
-            del self.positions[group], self._ids[self._group_key(entry)]
-            for pairs, sort_key in zip(self.lists, self._sort_keys(entry), strict=True):
+            del self.positions[group], self._ids[key]
+            for pairs, sort_key in zip(self.lists, sort_keys, strict=True):
                 pairs.remove(sort_key, group)
 
     def first_of(self, group: int, skip: Mapping[int, int], accept: Callable[[int], bool] | None = None) -> int | None:
@@ -518,17 +516,17 @@ class ModelGroups:
         self.model = model
         self.plans = SortedBlocks()
         self.by_wait: SortedPairs[tuple[float, float]] = SortedPairs([])  # (W, x): where a search starts
-        self.twins = Groups(lambda e: e.twin, lambda e: ((e.first_step_s,), e.link))
+        self.twins = Groups(2)
 
     def join(self, position: int, entry: DecodeEntry) -> None:
         self.plans.add(entry.plan_key, position)
-        self.by_wait.add(entry.plan_key[::-1], position)
-        self.twins.join(position, entry)
+        self.by_wait.add(entry.wait_key, position)
+        self.twins.join(position, entry.twin, entry.twin_keys)
 
     def leave(self, position: int, entry: DecodeEntry) -> None:
         self.plans.remove(entry.plan_key, position)
-        self.by_wait.remove(entry.plan_key[::-1], position)
-        self.twins.leave(position, entry)
+        self.by_wait.remove(entry.wait_key, position)
+        self.twins.leave(position, entry.twin, entry.twin_keys)
 
     @property
     def empty(self) -> bool:
@@ -557,9 +555,20 @@ class DecodeIndex(_Index):
         first_step_s = batch_cost_s(model, bound_batch + 1) + model.c_kv * bound_kv
         link = (link_tokens(node, self.setup_tokens), node.incoming_requests, -node.headroom_kv_tokens)
         batch_s = batch_cost_s(model, batch_size)
-        plan_key = (batch_s + model.c_kv * kv_tokens, wait_s)
+        step_s = batch_s + model.c_kv * kv_tokens
         return DecodeEntry(
-            node, model, wait_s, batch_size, kv_tokens, batch_s, first_step_s, link, plan_key, twin_key(node)
+            node,
+            model,
+            wait_s,
+            batch_size,
+            kv_tokens,
+            batch_s,
+            first_step_s,
+            link,
+            (step_s, wait_s),
+            (wait_s, step_s),
+            twin_key(node),
+            ((first_step_s,), link),
         )
 
     def _join(self, position: int, entry: DecodeEntry) -> None:
