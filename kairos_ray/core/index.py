@@ -11,24 +11,27 @@ fleets against ``PolicyParams(prune=False)``).
 
 Deflection (Eq. 6). A node n whose cache holds none of the prompt's l tokens
 has, once its committed deflections have run, a wait W, a batch of B (cost
-f = B (c_batch + c_batch_sq B)) and K resident tokens. Every step of its
-LargestSafe schedule fits beta * tau (Eq. 5), so no chunk is larger than
+f = B (c_batch + c_batch_sq B)) and K resident tokens: T0 = c0 + x,
+x = f + c_kv K. Every step of its LargestSafe schedule fits beta * tau
+(Eq. 5), every chunk but the last is a candidate, and the chunks never grow:
+``_fewest_steps`` counts at least m steps from where each candidate stops
+being safe. Then sum P_i >= l (m - 1) / 2 and sum chi_i P_i =
+(l^2 - sum chi_i^2) / 2, and with every coefficient non-negative Eq. 4 summed
+over the schedule is at least
 
-    chi_max = min(chi_1, l, floor((beta tau - T0) / (c_chunk + c_chunk_kv K))),   T0 = c0 + f + c_kv K,
+    LB(W, x, K) = W + m (T0 + (c_kv + c_prefix) l / 2) - (c_kv + c_prefix) l / 2 + c_chunk tiles(l)
+                  + c_chunk_kv K l + (c_chunk_kv + c_chunk_prefix) l^2 / 2 + S(sum chi_i^2),
 
-there are at least m = ceil(l / chi_max) steps, the chunks never grow (so
-sum P_i >= l (m - 1) / 2) and sum chi_i P_i = (l^2 - sum chi_i^2) / 2 >=
-(l^2 - chi_max l) / 2. With every coefficient non-negative, Eq. 4 summed over
-the schedule is then at least
-
-    LB(W, f, K) = W + m T0 + (c_chunk + c_chunk_kv K) l + (c_kv + c_prefix) l (m - 1) / 2
-                  + (c_chunk_kv + c_chunk_prefix) (l^2 - chi_max l) / 2,
-
-non-decreasing in each of W, f and K. The policy reads the three sorted lists
-in step (Fagin's threshold algorithm): it prices each node it meets (first
-against its own LB, then with the sweep), and stops as soon as LB at the depth
-reached, below which no unseen node lies, exceeds the best TTFT found. Nodes
-whose cache holds part of the prompt are priced directly.
+S a term in sum chi_i^2 (between l^2 / m and chi_max l), non-decreasing in W, x
+and K and growing at least m times as fast as x: E(x) = LB(0, x, 0) is below
+every node whose x is at least x, and E(x') >= E(x) + m (x' - x) (``Floor``).
+The index keeps each model's nodes in blocks by (x, W), each block with its
+least W (``SortedBlocks``), and by (W, x). A search sweeps the node of least W,
+then reads the blocks in order of x: it stops at a block whose E(first x)
+exceeds the best TTFT found, passes over one whose E(first x) + least W does,
+and sweeps a node only when W + E(x) does not (first against its own LB when
+K counts beyond x). Nodes whose cache holds part of the prompt are priced
+directly.
 
 Prefill nodes (Eq. 1-2). A node's queue wait does not depend on the request,
 so among nodes that hold none of the prompt the fastest is the one with the
@@ -44,7 +47,8 @@ in order of T0's node part.
 A node may carry a model of its own (a mixed fleet: ``DecodeNodeView.model``):
 the bounds hold per model, so the index keeps each model's nodes in lists of
 their own, and a search reads each model's lists in turn, every one until its
-bound passes the best found so far (in any of them). A model with a negative
+bound passes the best found so far (in any of them). The architecture doc
+(Decisions at fleet scale) derives the step count. A model with a negative
 coefficient (a refit can produce one) has no such bounds: while a node has
 one, every node is priced, as when ``prune`` is off.
 """
