@@ -26,8 +26,8 @@ S a term in sum chi_i^2 (between l^2 / m and chi_max l), non-decreasing in W, x
 and K and growing at least m times as fast as x: E(x) = LB(0, x, 0) is below
 every node whose x is at least x, and E(x') >= E(x) + m (x' - x) (``Floor``).
 The index keeps each model's nodes in blocks by (x, W), each block with its
-least W (``SortedBlocks``), and by (W, x). A search sweeps the node of least W,
-then reads the blocks in order of x: it stops at a block whose E(first x)
+least W (``SortedBlocks``). A search sweeps the node of least W (least x among
+them), then reads the blocks in order of x: it stops at a block whose E(first x)
 exceeds the best TTFT found, passes over one whose E(first x) + least W does,
 and sweeps a node only when W + E(x) does not (first against its own LB when
 K counts beyond x). Nodes whose cache holds part of the prompt are priced
@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right, insort
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress
 from operator import is_not
@@ -355,6 +355,13 @@ class SortedBlocks:
             self._settle(at)
             self._settle(at + 1)
 
+    def least_waits(self) -> Iterator[int]:
+        """The ids of the pairs of least W, in ascending x."""
+        low = min(self.lows, default=0.0)
+        for block, block_low in zip(self.blocks, self.lows, strict=True):
+            if block_low == low:
+                yield from (id_ for (_, wait_s), id_ in block if wait_s == low)
+
     def remove(self, key: tuple[float, float], id_: int) -> None:
         pair = (key, id_)
         at = self._block(pair)
@@ -383,7 +390,6 @@ class DecodeEntry:
     first_step_s: float  # a hand-off's first step, less c0 and c_kv l: f(B + I + 1) + c_kv (K + I_p)
     link: tuple[int, int, int]  # the hand-off ranking less the request: (link tokens, hand-offs, -headroom)
     plan_key: tuple[float, float]  # (x, W), x = T0 - c0 = f(B) + c_kv K: where its deflection bound starts
-    wait_key: tuple[float, float]  # (W, x)
     twin: tuple[object, ...]  # ``twin_key``
     twin_keys: tuple[SortKey, SortKey]  # its twins' keys for hand-offs: ((first step,), link)
 
@@ -512,24 +518,20 @@ class _Index:
 
 
 class ModelGroups:
-    """The decode nodes of one model: for deflections in blocks by (T0 - c0, W) and sorted by (W, T0 - c0); for
-    hand-offs grouped as twins
+    """The decode nodes of one model: for deflections in blocks by (T0 - c0, W); for hand-offs grouped as twins
     and sorted by a hand-off's first step and by its link ranking."""
 
     def __init__(self, model: StepLatencyModel) -> None:
         self.model = model
         self.plans = SortedBlocks()
-        self.by_wait: SortedPairs[tuple[float, float]] = SortedPairs([])  # (W, x): where a search starts
         self.twins = Groups(2)
 
     def join(self, position: int, entry: DecodeEntry) -> None:
         self.plans.add(entry.plan_key, position)
-        self.by_wait.add(entry.wait_key, position)
         self.twins.join(position, entry.twin, entry.twin_keys)
 
     def leave(self, position: int, entry: DecodeEntry) -> None:
         self.plans.remove(entry.plan_key, position)
-        self.by_wait.remove(entry.wait_key, position)
         self.twins.leave(position, entry.twin, entry.twin_keys)
 
     @property
@@ -570,7 +572,6 @@ class DecodeIndex(_Index):
             first_step_s,
             link,
             (step_s, wait_s),
-            (wait_s, step_s),
             twin_key(node),
             ((first_step_s,), link),
         )

@@ -57,6 +57,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from typing import Protocol
 
 import kairos_ray.core.index as index_module
@@ -189,7 +190,7 @@ class _PrefillOption:
 
 
 SEEDS = 4
-"""Nodes of least W a pruned deflection search tries before its scan (``_deflection_pruned``)."""
+"""Nodes of least W a pruned deflection search tries, in order of T0, before its scan (``_deflection_pruned``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -516,7 +517,8 @@ class _BasePolicy:
             floor = Floor(groups.model, prompt_tokens, candidates, budget_s)
             own = groups.model.c_chunk_kv > 0  # K counts beyond x: a node's own bound is higher than W + E(x)
             swept = None  # the (W, B, K) last priced: a node alike, later in the view, cannot win
-            seed = next((at for _, at in groups.by_wait.pairs[:SEEDS] if at not in held and has_room(at)), -1)
+            seeds = islice(groups.plans.least_waits(), SEEDS)
+            seed = next((at for at in seeds if at not in held and has_room(at)), -1)
             if seed >= 0:  # the least W first: the best found early prunes the scan sooner
                 price(seed, 0)
             for block, low in zip(groups.plans.blocks, groups.plans.lows, strict=True):

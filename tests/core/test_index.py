@@ -111,6 +111,7 @@ def test_the_bound_is_close_to_the_sweep_on_the_shipped_profile():
     )
 )
 def test_sorted_blocks_keep_their_pairs_in_order_with_each_blocks_least_wait(moves):
+    """And name the pairs of least W in order of x: where a search starts."""
     blocks: SortedBlocks = SortedBlocks()
     held: dict[int, tuple[float, float]] = {}
     for id_, (add, pick, x, wait) in enumerate(moves):
@@ -123,6 +124,9 @@ def test_sorted_blocks_keep_their_pairs_in_order_with_each_blocks_least_wait(mov
     assert [pair for block in blocks.blocks for pair in block] == sorted((key, id_) for id_, key in held.items())
     assert all(0 < len(block) <= 2 * BLOCK for block in blocks.blocks)
     assert blocks.lows == [min(key[1] for key, _ in block) for block in blocks.blocks]
+    least = min((wait for _, wait in held.values()), default=None)
+    in_order = sorted((key, id_) for id_, key in held.items())
+    assert list(blocks.least_waits()) == [id_ for (_, wait), id_ in in_order if wait == least]
 
 
 def _decode(rng: random.Random, name: str, foreign: float = 0.0) -> DecodeNodeView:
