@@ -112,7 +112,11 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     setup = SimSetup.from_config(_config(args.config), args.profile, args.prefill, args.decode, args.seed)
     if args.admission:
         setup = setup.with_admission(AdmissionMode(args.admission))
-    setup = replace(setup, probe_every=args.probe_shed, node_models=args.node_models == "own")
+    setup = replace(
+        setup, probe_every=args.probe_shed, node_models=args.node_models == "own", router_shards=args.router_shards
+    )
+    if args.router_shards > setup.num_decode:
+        raise ValueError(f"--router-shards {args.router_shards}: more shards than the {setup.num_decode} decode nodes")
     if args.trace:
         trace = load_trace(args.trace).clipped_to_context(setup.hardware.context_tokens)
         if trace.clipped:
@@ -125,9 +129,11 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         runs = [(rps, synthetic(args.workload, rps, args.requests, args.seed)) for rps in rates]
     if args.priorities:
         runs = [(rps, workload.with_priorities(args.priorities, args.seed)) for rps, workload in runs]
-    total = len(specs) * sum(len(w) for _, w in runs)
+    total = len(specs) * sum(len(w) for _, w in runs) * (2 if args.router_shards > 1 else 1)
     with tqdm(total=total, unit="req", desc="simulating", disable=None) as bar:
         summary, rows, _ = sweep(setup, specs, runs, bar.update)
+        # sharded: the same runs with one router, to show what sharding cost
+        one = sweep(replace(setup, router_shards=1), specs, runs, bar.update)[0] if args.router_shards > 1 else []
     out = Path(args.out)
     written = write_outputs(out, summary, rows, setup.config.slo, plots=not args.no_plots)
     print(
@@ -140,6 +146,16 @@ def _cmd_sim(args: argparse.Namespace) -> int:
             f"{row['tbt_violation_pct']:>7.2f}% {row['slo_attainment_pct']:>7.1f}% {row['deflections']:>9} "
             f"{row['shed_pct']:>5.1f}% {row['goodput_rps']:>8.2f}"
         )
+    if one:
+        print(f"\n{args.router_shards} router shards against one router (the same runs):")
+        print(f"{'policy':<10} {'rps':>6} {'P95 TTFT 1':>10} {'P95 TTFT S':>10} {'change':>7} {'kept from better':>16}")
+        for sharded, single in zip(summary, one, strict=True):
+            a, b = single["p95_ttft_s"], sharded["p95_ttft_s"]
+            change = f"{100 * (b / a - 1):>+6.1f}%" if a else f"{'-':>7}"
+            print(
+                f"{sharded['policy']:<10} {sharded['rps']:>6.2f} {a:>9.2f}s {b:>9.2f}s {change} "
+                f"{sharded['shard_kept_pct']:>15.2f}%"
+            )
     print(f"wrote {', '.join(str(p) for p in written)}")
     return 0
 
@@ -407,6 +423,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="own",
         help="price each node with its own group's profile (own), or every node with --profile's (pool): what a "
         "router that knows one model per pool would decide (default %(default)s)",
+    )
+    sim.add_argument(
+        "--router-shards",
+        type=_positive_int,
+        default=1,
+        metavar="S",
+        help="divide the decode nodes among S router shards, each deciding on its own nodes (and every prefill "
+        "node); prints how often a node of another shard would have served a request sooner, and P95 TTFT against "
+        "one router on the same runs (default 1: one router)",
     )
     sim.add_argument("--no-plots", action="store_true", help="write the CSVs only, no PNG plots")
     sim.add_argument(

@@ -48,25 +48,35 @@ it from other refusals by it."""
 
 @dataclass(frozen=True, slots=True)
 class NodeId:
-    """A node's id, ``<role>-<Serve replica unique id>``: built and read here alone (it travels as its string).
+    """A node's id, ``<group>-<Serve replica unique id>``: built and read here alone (it travels as its string).
 
-    The role names the pool, not its deployment (a pool may name its deployment otherwise:
-    ``deployment_config.name``); the replica id is what Serve routes a call to (``serve.delivery``).
+    The group is its pool's role, followed by the group's index from the second node group of a role on
+    (``decode``, ``decode-1``: ``AppArgs.decode_config`` as a list); it names the node group, not its deployment
+    (a group may name its deployment otherwise: ``deployment_config.name``). The replica id is what Serve
+    routes a call to (``serve.delivery``).
     """
 
     role: Role
     replica: str  # Serve's unique id of the node's replica (letters and digits)
+    group: int = 0  # the index of the node's group among its role's (0: the first, or the only one)
+
+    @property
+    def group_name(self) -> str:
+        """``decode`` for a role's first group, ``decode-1`` for its second, ..."""
+        return self.role.value if self.group == 0 else f"{self.role.value}-{self.group}"
 
     def __str__(self) -> str:
-        return f"{self.role.value}-{self.replica}"
+        return f"{self.group_name}-{self.replica}"
 
     @classmethod
     def parse(cls, node_id: str) -> NodeId:
         """The id a string names; ``ValueError`` for a string that is no node id."""
-        role, _, replica = node_id.partition("-")
-        if role not in Role.__members__.values() or not replica.isalnum():
-            raise ValueError(f"{node_id!r} is no node id (<role>-<replica id>)")
-        return cls(Role(role), replica)
+        role, _, rest = node_id.partition("-")
+        group, sep, replica = rest.rpartition("-")
+        ok = role in Role.__members__.values() and replica.isalnum() and (not sep or group.isdecimal())
+        if not ok or group[:1] == "0":
+            raise ValueError(f"{node_id!r} is no node id (<role>[-<group>]-<replica id>)")
+        return cls(Role(role), replica, int(group or 0))
 
 
 @dataclass(frozen=True, slots=True)

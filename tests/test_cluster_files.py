@@ -9,12 +9,18 @@ import ray.autoscaler
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
+from kairos_ray.messages import Role
 from kairos_ray.serve import CLUSTER_ENV
 from kairos_ray.serve.args import AppArgs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
-PAIRS = [("azure-1p1d.yaml", "1p1d.yaml"), ("azure-2p2d.yaml", "2p2d.yaml"), ("azure-2p2d-h100.yaml", "2p2d-h100.yaml")]
+PAIRS = [
+    ("azure-1p1d.yaml", "1p1d.yaml"),
+    ("azure-2p2d.yaml", "2p2d.yaml"),
+    ("azure-2p2d-h100.yaml", "2p2d-h100.yaml"),
+    ("azure-mixed.yaml", "2p2d-mixed.yaml"),
+]
 VM_SIZES = {"A100": "Standard_ND96amsr_A100_v4", "H100": "Standard_ND96isr_H100_v5"}  # 8 GPUs of 80 GB each
 
 
@@ -38,28 +44,30 @@ def test_node_groups_provide_what_the_pools_ask_for(cluster, serve_config):
     node_types = load(ROOT / "cluster" / cluster)["available_node_types"]
     (app,) = load(ROOT / "serve_configs" / serve_config)["applications"]
     args = AppArgs.model_validate(app["args"])
-    for pool_key, group, resource in (
-        ("prefill_config", "prefill", "prefill_node"),
-        ("decode_config", "decode", "decode_node"),
-    ):
-        pool = app["args"][pool_key]["deployment_config"]
-        wanted = pool["ray_actor_options"]
-        node = node_types[group]
-        accelerator = app["args"][pool_key]["accelerator_type"]
-        assert node["node_config"]["azure_arm_parameters"]["vmSize"] == VM_SIZES[accelerator]
-        assert node["resources"][f"accelerator_type:{accelerator}"] == 1
-        # one replica per VM: its placement group fits on one node of its group and on no node of another group
-        assert wanted["resources"] == {resource: 1} and node["resources"][resource] == 1
-        placement = getattr(args, pool_key).placement()
-        assert placement.strategy == "STRICT_PACK"
-        for key in {k for bundle in placement.bundles for k in bundle}:
-            assert sum(bundle.get(key, 0) for bundle in placement.bundles) <= node["resources"][key], key
-        assert all(resource not in t["resources"] for n, t in node_types.items() if n != group)
-        # enough nodes at start, and room for the pool's autoscaling
-        scaling = app["args"][pool_key]["autoscaling"]
-        assert node["min_workers"] >= max(pool["num_replicas"], scaling["min_replicas"])
-        assert node["max_workers"] >= scaling["max_replicas"] > scaling["min_replicas"]
-        assert app["args"][pool_key]["engine_kwargs"]["tensor_parallel_size"] == node["resources"]["GPU"]
+    for role in Role:
+        given = app["args"][f"{role.value}_config"]
+        for raw, pool in zip(given if isinstance(given, list) else [given], args.groups(role), strict=True):
+            deployment = raw["deployment_config"]
+            wanted = deployment["ray_actor_options"]
+            (resource,) = wanted["resources"]  # the custom resource of the node group it runs on
+            # one replica per VM: its placement group fits on one node of its group and on no node of another group
+            (group,) = [name for name, t in node_types.items() if resource in t["resources"]]
+            node = node_types[group]
+            accelerator = raw["accelerator_type"]
+            assert node["node_config"]["azure_arm_parameters"]["vmSize"] == VM_SIZES[accelerator]
+            assert node["resources"][f"accelerator_type:{accelerator}"] == 1
+            assert wanted["resources"] == {resource: 1} and node["resources"][resource] == 1
+            placement = pool.placement()
+            assert placement.strategy == "STRICT_PACK"
+            for key in {k for bundle in placement.bundles for k in bundle}:
+                assert sum(bundle.get(key, 0) for bundle in placement.bundles) <= node["resources"][key], key
+            # enough nodes at start, and room for the group's autoscaling
+            scaling = raw["autoscaling"]
+            assert node["min_workers"] >= max(deployment["num_replicas"], scaling["min_replicas"])
+            assert node["max_workers"] >= scaling["max_replicas"] > scaling["min_replicas"]
+            assert raw["engine_kwargs"]["tensor_parallel_size"] == node["resources"]["GPU"]
+            # its profile is of its GPUs (the group's own, else the predictor's)
+            assert accelerator.lower() in (pool.profile or args.kairos.predictor.profile)
 
 
 def test_dashboard_and_metrics_listen_on_the_private_address_only():

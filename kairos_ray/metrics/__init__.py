@@ -207,6 +207,8 @@ SUMMARY_COLUMNS = (
     "prefill_hit_pct",
     "deflect_hit_pct",
     "kv_transfer_gb",
+    "router_shards",  # the simulator's router shards (core.shards)
+    "shard_kept_pct",  # of its decisions, those a node of another shard would have served sooner
 )
 
 

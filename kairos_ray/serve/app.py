@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import os
 import secrets
+from dataclasses import replace
 from typing import Any, cast
 
 from ray.serve import Application, Deployment
 
 from kairos_ray.config import KairosConfig
-from kairos_ray.messages import Role
-from kairos_ray.serve.args import AppArgs, PoolConfig, ServingConfig
+from kairos_ray.messages import NodeId, Role
+from kairos_ray.serve.args import AppArgs, PoolConfig
 from kairos_ray.serve.engine_server import EngineServer
 from kairos_ray.serve.ingress import Ingress
 from kairos_ray.serve.router import Router
+from kairos_ray.serve.types import RouterOptions
 
 CLUSTER_ENV = {
     "RAY_SERVE_PROXY_USE_GRPC": "1",
@@ -45,14 +47,14 @@ def use_cluster_env() -> None:
         os.environ.setdefault(name, value)
 
 
-def pool_options(role: str, pool: PoolConfig, kairos: KairosConfig) -> dict[str, Any]:
-    """The Serve options of the pool's deployment: a replica per node, routed per call to the chosen node."""
+def pool_options(role: Role, pool: PoolConfig, kairos: KairosConfig, group: int = 0) -> dict[str, Any]:
+    """The Serve options of a node group's deployment: a replica per node, routed per call to the chosen node."""
     deployment = pool.deployment_config
     actor: dict[str, Any] = {"num_cpus": 0, **deployment.ray_actor_options}
     if pool.runtime_env:
         actor["runtime_env"] = {**actor.get("runtime_env", {}), **pool.runtime_env}
     options: dict[str, Any] = {
-        "name": deployment.name or role,
+        "name": AppArgs.deployment_name(role, group, pool),
         "ray_actor_options": actor,
         "request_router_config": {"request_router_class": "kairos_ray.serve.delivery:ChosenNodeRouter"},
         **deployment.serve_options(),
@@ -78,7 +80,7 @@ def pool_options(role: str, pool: PoolConfig, kairos: KairosConfig) -> dict[str,
             "policy": {
                 "policy_function": "kairos_ray.serve.autoscaling:KairosPoolPolicy",
                 "policy_kwargs": {
-                    "role": role,
+                    "role": role.value,
                     "ttft_slo_s": kairos.slo.ttft_s,
                     **scaling.model_dump(exclude={"min_replicas", "max_replicas", "look_back_period_s"}),
                 },
@@ -87,31 +89,47 @@ def pool_options(role: str, pool: PoolConfig, kairos: KairosConfig) -> dict[str,
     return options
 
 
-def _pool(
-    role: Role, pool: PoolConfig, kairos: KairosConfig, serving: ServingConfig, router: Application, app_secret: bytes
-) -> Application:
-    """One deployment for the pool; its replicas get the validated sections themselves, not dicts to validate again."""
-    options = pool_options(role, pool, kairos)
-    if pool.engine == "vllm" and pool.placement().gpu:  # vLLM's workers go into the GPU bundles, as Ray Serve LLM's
-        pool = pool.model_copy(update={"engine_kwargs": {"distributed_executor_backend": "ray", **pool.engine_kwargs}})
-    return _deployment(EngineServer).options(**options).bind(role, kairos, serving, router, pool, app_secret)
+def _groups(
+    role: Role, args: AppArgs, router: Application, app_secret: bytes, router_options: RouterOptions
+) -> list[Application]:
+    """A deployment per node group of the role; its replicas get the validated sections themselves, not dicts to
+    validate again."""
+    kairos, serving = args.kairos, args.serving
+    apps = []
+    for group, pool in enumerate(args.groups(role)):
+        options = pool_options(role, pool, kairos, group)
+        if pool.engine == "vllm" and pool.placement().gpu:  # vLLM's workers go into the GPU bundles, as Serve LLM's
+            kwargs = {"distributed_executor_backend": "ray", **pool.engine_kwargs}
+            pool = pool.model_copy(update={"engine_kwargs": kwargs})
+        node = NodeId(role, "", group)
+        profile = router_options.profile_of(node.group_name) or kairos.predictor.profile
+        server = _deployment(EngineServer).options(**options)
+        apps.append(server.bind(node, kairos, serving, router, pool, profile, app_secret))
+    return apps
 
 
 def build_app(args: AppArgs | dict[str, Any]) -> Application:
     """The application for ``serve run`` / ``serve.run``; ``args`` as in ``kairos_ray.serve.args``."""
     args = AppArgs.model_validate(args) if isinstance(args, dict) else args
     kairos, serving = args.kairos, args.serving
-    router = _deployment(Router).bind(kairos, serving.router_options())
+    group_profiles = tuple(
+        (NodeId(role, "", group).group_name, pool.profile)
+        for role in Role
+        for group, pool in enumerate(args.groups(role))
+        if pool.profile is not None
+    )
+    router_options = replace(serving.router_options(), group_profiles=group_profiles)
+    router = _deployment(Router).bind(kairos, router_options)
     secret = secrets.token_bytes(32)  # this application's engines prove it to each other (KV channel pairs)
-    decode = args.decode_config
+    decode = args.groups(Role.DECODE)[0]  # the groups serve one model one way: the ingress reads the first's
     vllm = decode.engine == "vllm"  # the ingress renders prompts as the decode engines will see them
     ingress = _deployment(Ingress)
     if args.ingress_deployment_config:
         ingress = ingress.options(**args.ingress_deployment_config)
     return ingress.bind(
         router,
-        _pool(Role.PREFILL, args.prefill_config, kairos, serving, router, secret),
-        _pool(Role.DECODE, decode, kairos, serving, router, secret),
+        _groups(Role.PREFILL, args, router, secret, router_options),
+        _groups(Role.DECODE, args, router, secret, router_options),
         decode.model_loading_config.model_id,
         serving,
         kairos.slo,

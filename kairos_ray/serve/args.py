@@ -5,8 +5,10 @@ A Ray Serve LLM user switches by changing ``import_path`` alone. Each pool
 takes; a vLLM pool is also checked with that very model (``ray.serve.llm``,
 which imports where vLLM does), an emulated pool with this module's models
 alone. On top of ``LLMConfig``: ``engine`` (``vllm``, the default, or
-``emulated``), ``autoscaling`` (scaling on Kairos's signals) and the app's
-``kairos`` and ``serving`` sections. Each replica of a pool is one node.
+``emulated``), ``autoscaling`` (scaling on Kairos's signals), ``profile`` (the
+nodes' step-latency profile) and the app's ``kairos`` and ``serving`` sections.
+Each replica of a pool is one node; a pool given as a list is a list of node
+groups (a mixed fleet), each a deployment of its own (``AppArgs``).
 
 What ``LLMConfig``'s fields mean here, as in Ray Serve LLM:
 
@@ -57,9 +59,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ray.llm._internal.serve.constants import DEFAULT_MAX_TARGET_ONGOING_REQUESTS
 from ray.serve.config import AutoscalingConfig
 
-from kairos_ray.config import KairosConfig
+from kairos_ray.config import KairosConfig, resolve_profile
 from kairos_ray.core import parse_spec
 from kairos_ray.engines import ENGINES, EngineOptions
+from kairos_ray.messages import NodeId, Role
 from kairos_ray.serve.autoscaling import ScalingRule
 from kairos_ray.serve.types import RouterOptions
 
@@ -253,6 +256,11 @@ class PoolConfig(_Strict):
     deployment_config: DeploymentConfig = DeploymentConfig()
     log_engine_metrics: bool = Field(True, description="export vLLM's engine metrics as Ray metrics (ray_vllm_*)")
     autoscaling: PoolAutoscaling | None = Field(None, description="absent: a fixed num_replicas nodes")
+    profile: str | None = Field(
+        None,
+        description="step-latency profile of these nodes, a shipped name or a path (default: "
+        "kairos.predictor.profile): the router prices them with it, emulated engines run at its speed",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -272,6 +280,13 @@ class PoolConfig(_Strict):
     def _known_engine(cls, value: str) -> str:
         if value not in ENGINES:
             raise ValueError(f"unknown engine; known: {', '.join(ENGINES)}")
+        return value
+
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, value: str | None) -> str | None:
+        if value is not None:
+            resolve_profile(value)
         return value
 
     @field_validator("engine_kwargs")
@@ -325,7 +340,7 @@ class PoolConfig(_Strict):
             from ray.serve.llm import LLMConfig
         except ImportError as exc:
             raise ValueError(f"a vLLM pool needs Ray Serve LLM (ray.serve.llm), which does not import: {exc}") from exc
-        fields = self.model_dump(exclude={"engine", "autoscaling"}, exclude_unset=True)
+        fields = self.model_dump(exclude={"engine", "autoscaling", "profile"}, exclude_unset=True)
         try:
             llm = LLMConfig.model_validate(fields)
             engine = llm.get_engine_config()
@@ -524,10 +539,15 @@ def _check_parsers(parsing: dict[str, Any], reasoning_parser: str | None, tokeni
 
 
 class AppArgs(_Strict):
-    """``build_pd_openai_app``'s ``prefill_config`` and ``decode_config``, plus Kairos's sections."""
+    """``build_pd_openai_app``'s ``prefill_config`` and ``decode_config``, plus Kairos's sections.
 
-    prefill_config: PoolConfig
-    decode_config: PoolConfig
+    Either pool may be a list of node groups (a mixed fleet: A100 and H100 nodes, different tensor-parallel
+    sizes): each group is a deployment of its own, with its own settings and step-latency ``profile``, its
+    nodes' ids naming it (``messages.NodeId``). Every group serves the same model with the same engine.
+    """
+
+    prefill_config: PoolConfig | Annotated[list[PoolConfig], Field(min_length=1)]
+    decode_config: PoolConfig | Annotated[list[PoolConfig], Field(min_length=1)]
     kairos: KairosConfig = KairosConfig()
     serving: ServingConfig = ServingConfig()
     ingress_deployment_config: dict[str, Any] = Field(
@@ -539,35 +559,67 @@ class AppArgs(_Strict):
     def _ray_ingress(cls, data: Any) -> Any:
         return _refuse(data, {"ingress_cls_config": "Kairos-Ray runs its own OpenAI ingress"})
 
+    def groups(self, role: Role) -> tuple[PoolConfig, ...]:
+        """The role's node groups, in order (one, unless its ``*_config`` is a list)."""
+        pools = self.prefill_config if role is Role.PREFILL else self.decode_config
+        return tuple(pools) if isinstance(pools, list) else (pools,)
+
+    @staticmethod
+    def deployment_name(role: Role, group: int, pool: PoolConfig) -> str:
+        """A group's deployment: ``deployment_config.name``, else the group's name (``decode``, ``decode-1``)."""
+        return pool.deployment_config.name or NodeId(role, "", group).group_name
+
+    def _named(self) -> list[tuple[str, PoolConfig]]:
+        """Every group with the name it is reported by (``decode_config``, ``decode_config[1]``, ...)."""
+        named = []
+        for role in Role:
+            field = f"{role.value}_config"
+            groups = self.groups(role)
+            named += [(f"{field}[{i}]" if len(groups) > 1 else field, pool) for i, pool in enumerate(groups)]
+        return named
+
     @model_validator(mode="after")
     def _pools_match(self) -> AppArgs:
-        """A decode node continues what a prefill node started: same engine, same model."""
-        prefill, decode = self.prefill_config, self.decode_config
+        """A decode node continues what a prefill node started: same engine, same model, in every group."""
         if parse_spec(self.kairos.policy.name)[0].decides_with_ground_truth:
             raise ValueError(
                 f"kairos.policy.name {self.kairos.policy.name!r} decides with the emulator's ground truth: "
                 "the simulator only"
             )
-        if prefill.engine != decode.engine:
-            raise ValueError(
-                f"prefill_config.engine ({prefill.engine}) and decode_config.engine ({decode.engine}) differ"
-            )
+        named = self._named()
+        (first_name, first), *rest = named
+        for name, pool in rest:
+            if pool.engine != first.engine:
+                raise ValueError(f"{first_name}.engine ({first.engine}) and {name}.engine ({pool.engine}) differ")
+            want, got = first.model_loading_config, pool.model_loading_config
+            if (want.model_id, want.source) != (got.model_id, got.source):
+                raise ValueError(
+                    f"every group must serve one model: {first_name} has {want.model_id!r} from {want.source!r}, "
+                    f"{name} {got.model_id!r} from {got.source!r}"
+                )
         for knob in ("kv_channel", "kv_hold_blocks"):
-            if getattr(self.serving, knob) and prefill.engine != "vllm":
-                raise ValueError(f"serving.{knob} is for vLLM engines' KV; the pools run {prefill.engine} engines")
-        p_model, d_model = prefill.model_loading_config, decode.model_loading_config
-        if (p_model.model_id, p_model.source) != (d_model.model_id, d_model.source):
+            if getattr(self.serving, knob) and first.engine != "vllm":
+                raise ValueError(f"serving.{knob} is for vLLM engines' KV; the pools run {first.engine} engines")
+        decode = self.groups(Role.DECODE)
+        parsing = decode[0].output_parsing()
+        if any(pool.output_parsing() != parsing for pool in decode):
             raise ValueError(
-                f"both pools must serve one model: prefill has {p_model.model_id!r} from {p_model.source!r}, "
-                f"decode {d_model.model_id!r} from {d_model.source!r}"
+                "tool calling differs between decode_config's groups: the ingress parses every answer one way"
             )
-        if prefill.output_parsing() and prefill.output_parsing() != decode.output_parsing():
-            raise ValueError(
-                f"prefill_config.engine_kwargs {sorted(prefill.output_parsing())}: tool calling is the decode pool's "
-                "(its answers are parsed): set it in decode_config.engine_kwargs"
-            )
-        if prefill.engine == "vllm":
-            for name, pool in (("prefill_config", prefill), ("decode_config", decode)):
+        for pool in self.groups(Role.PREFILL):
+            if pool.output_parsing() and pool.output_parsing() != parsing:
+                raise ValueError(
+                    f"prefill_config.engine_kwargs {sorted(pool.output_parsing())}: tool calling is the decode "
+                    "pool's (its answers are parsed): set it in decode_config.engine_kwargs"
+                )
+        deployments = [self.deployment_name(role, i, pool) for role in Role for i, pool in enumerate(self.groups(role))]
+        clashing = sorted(
+            {d for d in deployments if deployments.count(d) > 1} | ({"Router", "Ingress"} & {*deployments})
+        )
+        if clashing:
+            raise ValueError(f"node groups' deployment names must differ from each other's and the app's: {clashing}")
+        if first.engine == "vllm":
+            for name, pool in named:
                 try:
                     pool.placement()
                 except ValueError as exc:

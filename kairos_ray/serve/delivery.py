@@ -1,11 +1,13 @@
 """Delivery of each call to the replica the Kairos router chose (Serve's request-router hook; the decision is
 ``serve.router``'s).
 
-A pool (prefill or decode) is one deployment whose replicas are the pool's
-nodes; a node's id is ``<role>-<replica unique id>``. Calls carry the chosen
-node as the ``node`` keyword; ``ChosenNodeRouter`` ranks that replica first. A
-call with no node (a fallback decision), or for a node that is gone (scaled
-down, replaced), may go to any replica but those in the ``avoid`` keyword
+A node group is one deployment whose replicas are the group's nodes (a pool,
+prefill or decode, has one group or several: ``NodeGroups``); a node's id is
+``<group>-<replica unique id>`` (``messages.NodeId``). Calls go through the
+handle of the group the node's id names and carry the chosen node as the
+``node`` keyword; ``ChosenNodeRouter`` ranks that replica first. A
+call with no node (a fallback decision: then to a group drawn at random), or
+for a node that is gone (scaled down, replaced), may go to any replica but those in the ``avoid`` keyword
 (nodes that failed this request), so no request is lost while replicas come
 and go.
 
@@ -22,9 +24,11 @@ call of that process's handles.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+import random
+from collections.abc import Callable, Sequence
+from typing import Any, ParamSpec, TypeVar
 
+from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from kairos_ray.messages import NodeId
@@ -40,6 +44,26 @@ def apart(remote: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     other call of the same request can hide it from the request router.
     """
     return contextvars.Context().run(remote, *args, **kwargs)
+
+
+class NodeGroups:
+    """A pool's deployments, one per node group, in the groups' order: the handle that reaches a node."""
+
+    def __init__(self, handles: Sequence[DeploymentHandle[Any]]) -> None:
+        if not handles:
+            raise ValueError("a pool has at least one node group")
+        self.handles = tuple(handles)
+
+    def of(self, node_id: str | None) -> DeploymentHandle[Any]:
+        """The handle of the group ``node_id`` names; with no node (or none of this pool's), a group's at random."""
+        if node_id:
+            try:
+                group = NodeId.parse(node_id).group
+            except ValueError:
+                group = -1
+            if 0 <= group < len(self.handles):
+                return self.handles[group]
+        return random.choice(self.handles)
 
 
 def replica_of(node_id: str) -> str:

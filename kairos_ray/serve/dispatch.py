@@ -56,7 +56,7 @@ from ray.serve.handle import DeploymentHandle
 from kairos_ray.core import Admission, Route, block_ids
 from kairos_ray.engines import without_prompt_logprobs
 from kairos_ray.messages import DecisionRequest, EngineRequest, KVHandoff, RoutingReply, TokenEvent, TTFTBreakdown
-from kairos_ray.serve.delivery import apart
+from kairos_ray.serve.delivery import NodeGroups, apart
 from kairos_ray.serve.metrics import IngressMetrics
 from kairos_ray.serve.mux import RequestKey, StreamFailed, TokenMux
 from kairos_ray.serve.router_link import RouterLink
@@ -223,13 +223,14 @@ class DecisionBatcher:
 
 
 class Dispatcher:
-    """Runs requests over the router and the two pools (calls name their node: ``serve.delivery``)."""
+    """Runs requests over the router and the two pools (calls go to their node's group and name their node:
+    ``serve.delivery``)."""
 
     def __init__(
         self,
         router: DeploymentHandle[Any],
-        prefill: DeploymentHandle[Any],
-        decode: DeploymentHandle[Any],
+        prefill: NodeGroups,
+        decode: NodeGroups,
         limits: ServingLimits,
         metrics: IngressMetrics,
         listener: str,
@@ -379,7 +380,9 @@ class RequestRun:
                 kv_receiver=decision.decode_node or "",
                 kv_receiver_cached_tokens=decision.receiver_cached_tokens,
             )
-            call = apart(pools.prefill.prefill.remote, request, node=decision.prefill_node, avoid=avoid)
+            call = apart(
+                pools.prefill.of(decision.prefill_node).prefill.remote, request, node=decision.prefill_node, avoid=avoid
+            )
             self._calls = [call]
             try:
                 handoff = await call
@@ -393,7 +396,8 @@ class RequestRun:
         mux = pools.mux
         mux.expect(key)
         self._running = self._listening = key
-        call = apart(pools.decode.start.remote, request, handoff, mux.listener, node=decision.decode_node, avoid=avoid)
+        start = pools.decode.of(decision.decode_node).start.remote
+        call = apart(start, request, handoff, mux.listener, node=decision.decode_node, avoid=avoid)
         self._calls.append(call)
         try:
             node: str = await call
@@ -530,7 +534,8 @@ class RequestRun:
     def _release_kv(self) -> None:
         """The decode node has the KV (or will never take it): the prefill node may free it."""
         if self._held is not None:
-            apart(self.dispatcher.prefill.release.remote, self.request.request_id, node=self._held.node_id)
+            node = self._held.node_id
+            apart(self.dispatcher.prefill.of(node).release.remote, self.request.request_id, node=node)
             self._held = None
 
     def close(self) -> None:
@@ -540,7 +545,8 @@ class RequestRun:
         self._calls = []
         if self._running is not None:
             request_id, attempt = self._running
-            apart(self.dispatcher.decode.cancel.remote, request_id, attempt, node=self._decode_node)
+            cancel = self.dispatcher.decode.of(self._decode_node).cancel.remote
+            apart(cancel, request_id, attempt, node=self._decode_node)
             self._running = None
         if self._listening is not None:  # ended or not on its node, the mux forgets it here
             self.dispatcher.mux.close(self._listening)

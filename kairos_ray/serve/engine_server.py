@@ -1,8 +1,9 @@
 """The engine pools: one Serve deployment per pool, one replica per node.
 
 A replica builds the engine its pool's ``engine`` names (``engines.ENGINES``:
-``vllm`` or ``emulated``) from a ``NodeSpec``. Its node id is ``<role>-<replica
-unique id>``; calls name the node they want with the ``node`` keyword and
+``vllm`` or ``emulated``) from a ``NodeSpec``. Its node id is ``<group>-<replica
+unique id>`` (``messages.NodeId``; a pool of several node groups has a deployment
+per group); calls name the node they want with the ``node`` keyword and
 ``serve.delivery.ChosenNodeRouter`` delivers them there. Each replica pushes
 its engine's state to the router and reports Kairos's autoscaling signals
 (``serve.autoscaling``) to Serve.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -19,8 +21,9 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from kairos_ray.config import KairosConfig, resolve_profile
+from kairos_ray.core import StepLatencyModel
 from kairos_ray.engines import NodeSpec, build_engine
-from kairos_ray.messages import EngineRequest, KVHandoff, NodeId, Residue, Role, TokenBatch
+from kairos_ray.messages import EngineRequest, KVHandoff, NodeId, Residue, TokenBatch
 from kairos_ray.serve.args import PoolConfig, ServingConfig
 from kairos_ray.serve.autoscaling import node_signals
 from kairos_ray.serve.mux import Outbox, RequestKey
@@ -40,20 +43,24 @@ HEALTH_CHECK_TIMEOUT_S = 20.0  # a replica that does not answer in time (its pro
     logging_config={"enable_access_log": False},  # calls are per request and per release: the ingress logs requests
 )
 class EngineServer:
-    """A node of the ``role`` pool."""
+    """A node of the node group ``group`` names (its role and index; ``replica`` is left empty there), its
+    step-latency ``profile`` the group's."""
 
     async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
         self,
-        role: Role,
+        group: NodeId,
         config: KairosConfig,
         options: ServingConfig,
         router: DeploymentHandle[Any],
         pool_config: PoolConfig,
+        profile: str,
         app_secret: bytes = b"",
     ) -> None:
         context = serve.get_replica_context()
-        self.node_id = str(NodeId(role, context.replica_id.unique_id))
-        self.policy = config.build_policy()
+        role = group.role
+        self.node_id = str(replace(group, replica=context.replica_id.unique_id))
+        profile_path = resolve_profile(profile)
+        self.policy = config.build_policy(model=StepLatencyModel.load(profile_path))
         self.router = RouterLink(router)
         self.router.bind(asyncio.get_running_loop())
         self._outboxes: dict[str, Outbox] = {}  # ingress replica -> the tokens waiting for its next item
@@ -62,7 +69,7 @@ class EngineServer:
             node_id=self.node_id,
             role=role,
             policy=self.policy,
-            profile=str(resolve_profile(config.predictor.profile)),
+            profile=str(profile_path),
             prefill_chunk_tokens=config.prefill_chunk_tokens,
             options=options.engine_options(),
             model_source=pool_config.model_loading_config.source,

@@ -62,6 +62,7 @@ from kairos_ray.metrics import TBT_ALLOWED_SHARE
 from kairos_ray.serve.admission import Admission, GuardedStream
 from kairos_ray.serve.args import ServingConfig
 from kairos_ray.serve.auth import ApiKeys
+from kairos_ray.serve.delivery import NodeGroups
 from kairos_ray.serve.dispatch import (
     Dispatcher,
     RequestFailed,
@@ -223,8 +224,8 @@ class Ingress:
     def __init__(
         self,
         router: DeploymentHandle[Any],
-        prefill: DeploymentHandle[Any],
-        decode: DeploymentHandle[Any],
+        prefill: list[DeploymentHandle[Any]],
+        decode: list[DeploymentHandle[Any]],
         model_id: str,
         opts: ServingConfig,
         slo: SLOConfig,
@@ -255,7 +256,7 @@ class Ingress:
         )
         self.router = router
         listener = f"{serve.get_replica_context().replica_id.unique_id}-{secrets.token_hex(4)}"
-        self.dispatcher = Dispatcher(router, prefill, decode, limits, self.metrics, listener)
+        self.dispatcher = Dispatcher(router, NodeGroups(prefill), NodeGroups(decode), limits, self.metrics, listener)
         self._state: tuple[float, asyncio.Future[dict[str, Any]]] | None = None  # the last live view and when
 
     # ---- plain endpoints -------------------------------------------------------------------

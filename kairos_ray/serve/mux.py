@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import cast
+
+from ray.serve.handle import DeploymentResponseGenerator
 
 from kairos_ray.messages import TokenBatch, TokenEvent
-from kairos_ray.serve.delivery import apart
+from kairos_ray.serve.delivery import NodeGroups, apart
 
 logger = logging.getLogger("ray.serve")
 
@@ -77,7 +79,7 @@ class Outbox:
 class TokenMux:
     """An ingress replica's subscriptions to the decode nodes, and a queue per request it streams."""
 
-    def __init__(self, decode: Any, listener: str) -> None:
+    def __init__(self, decode: NodeGroups, listener: str) -> None:
         self.decode, self.listener = decode, listener
         self._subscriptions: dict[str, asyncio.Task[None]] = {}  # node -> the task reading its subscription
         self._queues: dict[RequestKey, asyncio.Queue[list[TokenEvent] | StreamFailed]] = {}
@@ -125,8 +127,8 @@ class TokenMux:
         try:
             # By value over Serve's gRPC transport (a batch holds no object refs): an item costs a fraction of the
             # CPU of a Ray streaming-generator item on both ends.
-            subscribe = self.decode.options(stream=True, _by_reference=False).subscribe.remote
-            stream = apart(subscribe, self.listener, node=node)
+            subscribe = self.decode.of(node).options(stream=True, _by_reference=False).subscribe.remote
+            stream = cast(DeploymentResponseGenerator[TokenBatch], apart(subscribe, self.listener, node=node))
             async for batch in stream:
                 for key, tokens in batch.tokens.items():
                     self._deliver(key, tokens)

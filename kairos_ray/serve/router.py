@@ -54,7 +54,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from kairos_ray.config import KairosConfig
+from kairos_ray.config import KairosConfig, resolve_profile
 from kairos_ray.core import (
     BlockCache,
     ClusterView,
@@ -71,7 +71,16 @@ from kairos_ray.core import (
     with_nodes,
 )
 from kairos_ray.heap import freeze_startup_heap
-from kairos_ray.messages import DecisionRequest, NodeState, PrefixDelta, Residue, RouterLive, RoutingReply, WireAddress
+from kairos_ray.messages import (
+    DecisionRequest,
+    NodeId,
+    NodeState,
+    PrefixDelta,
+    Residue,
+    RouterLive,
+    RoutingReply,
+    WireAddress,
+)
 from kairos_ray.serve.metrics import RouterMetrics
 from kairos_ray.serve.refit import NODE_EVERY, NodeScales, OnlineRefit
 from kairos_ray.serve.types import LineOff, RouterOptions
@@ -343,6 +352,15 @@ def priced_by(state: NodeState, model: StepLatency) -> NodeState:
     return replace(state, steps=steps)
 
 
+def _group_of(state: NodeState) -> str:
+    """The node group a report's node belongs to (``messages.NodeId.group_name``; its role for an id of another
+    shape)."""
+    try:
+        return NodeId.parse(state.node_id).group_name
+    except ValueError:
+        return state.role.value
+
+
 def _sent_to(decision: Decision) -> str:
     """The node a decision sends its request to: its prefill node, or the decode node it is deflected to."""
     node = decision.prefill_node if decision.route is Route.PREFILL else decision.decode_node
@@ -372,6 +390,11 @@ class RouterActor:
         self.config = config
         self.model = self.config.predictor.load()
         self.hardware = self.config.predictor.hardware()  # read once: every refit rebuilds the policy
+        # node group name -> its own profile's model (``PoolConfig.profile``): its nodes are priced with it, scaled
+        # to each node's steps, and left out of the refit of the predictor's model, which prices every other node
+        self.group_models = {
+            group: StepLatencyModel.load(resolve_profile(profile)) for group, profile in options.group_profiles
+        }
         policy = self.config.build_policy(model=self.model, hardware=self.hardware)
         self.state = RouterState(policy, handoff_ttl_s=options.handoff_ttl_s)
         self.metrics = RouterMetrics()
@@ -438,34 +461,35 @@ class RouterActor:
         return model if isinstance(model, StepLatencyModel) else None
 
     def report(self, state: NodeState) -> None:
-        if self.scales is not None:
-            state = self._calibrated(state)
+        group = _group_of(state)
+        own = self.group_models.get(group)
+        base = own or self.model
+        model = self._calibrated(state, group, base) if self.scales is not None else base
+        if model is not self.model:
+            state = replace(state, view=replace(state.view, model=model))
         self.state.report(state, time.monotonic())
         self.metrics.node(priced_by(state, self.state.policy.model_of(state.view)))
-        if self.refit is not None:
+        if self.refit is not None and own is None:
             self.refit.add(state.steps)
             if self.refit.due:
                 self._refit()
 
-    def _calibrated(self, state: NodeState) -> NodeState:
-        """``state`` with its view carrying the model ``refit.NodeScales`` prices the node with (the pool's model
-        scaled to the node's steps, or to its role's calibrated nodes' until it has its own)."""
+    def _calibrated(self, state: NodeState, group: str, base: StepLatencyModel) -> StepLatencyModel:
+        """The model ``refit.NodeScales`` prices the node with: its group's ``base`` scaled to the node's steps,
+        or to its group's calibrated nodes' until it has its own."""
         assert self.scales is not None
-        node, group, scales = state.node_id, state.role.value, self.scales
+        node, scales = state.node_id, self.scales
         if state.steps:
             if len(scales) > len(self.state.states):
                 for gone in set(scales.nodes()) - set(self.state.states):
                     scales.forget(gone)  # nodes that left the view
-            result = scales.add(node, group, state.steps, self.model)
+            result = scales.add(node, group, state.steps, base)
             if result is not None and result.model is not None:
                 logger.info(
-                    "kairos calibration of %s: step-latency MAPE %.1f %% -> %.1f %% (x %.2f of its pool's model)",
+                    "kairos calibration of %s: step-latency MAPE %.1f %% -> %.1f %% (x %.2f of its group's model)",
                     node, 100 * result.current_mape, 100 * result.refit_mape, scales.scale[node],
                 )  # fmt: skip
-        model = scales.model_for(node, group, self.model)
-        if model is self.model:
-            return state
-        return replace(state, view=replace(state.view, model=model))
+        return scales.model_for(node, group, base)
 
     def _refit(self) -> None:
         """Adopt a model refit on the reported steps when it predicts them better (both pools' model)."""

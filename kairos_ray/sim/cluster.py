@@ -50,6 +50,13 @@ the record's ``kv_transfer_s``. Every ``probe_every``-th shed request is
 also admitted, as decided, in a copy of the simulation taken at its arrival,
 run until that request has finished (``SimResult.probes``): whether a shed
 request would have met its objective, had it been admitted.
+
+Router shards (``router_shards`` above 1, ``core.shards``): each shard owns
+the decode nodes rendezvous hashing gives it and decides with a policy (and
+index) of its own on the prefill nodes and its decode nodes; requests go to
+the shards in turn. Each decision is also taken over the whole fleet on the
+same state, and ``SimResult.kept_from_better`` is the share of requests a
+node of another shard would have served sooner.
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ import numpy as np
 from kairos_ray.core import (
     BlockCache,
     ClusterView,
+    Decision,
     DecodeNodeView,
     Policy,
     PrefillNodeView,
@@ -74,6 +82,7 @@ from kairos_ray.core import (
     StepLatency,
     handoff_fits,
 )
+from kairos_ray.core.shards import kept_from_better, owner, shard_for
 from kairos_ray.emulation import ClusterHardware, StepNoise
 from kairos_ray.metrics import RequestRecord
 from kairos_ray.nodes import DecodeNode, Job, PrefillNode
@@ -106,6 +115,8 @@ class SimResult:
     events: int
     makespan_s: float
     probes: dict[int, RequestRecord] = field(default_factory=dict)  # shed request id -> its record, admitted
+    # router shards: the share of decisions a node of another shard would have served sooner (None: one router)
+    kept_from_better: float | None = None
 
 
 @dataclass(frozen=True)
@@ -118,6 +129,35 @@ class NodeGroup:
     truth: StepLatency
     hardware: ClusterHardware
     model: StepLatency | None = None
+
+
+class _Shards:
+    """Router shards deciding in the simulator (``core.shards``): each owns its decode nodes and keeps a policy,
+    and with it an index, of its own; every decision is also taken over the whole fleet, to count how often a
+    node of another shard would have served the request sooner."""
+
+    def __init__(self, policy: Policy, decode_ids: Sequence[str], count: int) -> None:
+        numbers = range(count)
+        owners = [owner(node, numbers) for node in decode_ids]
+        nodes = [[i for i, o in enumerate(owners) if o == shard] for shard in numbers]
+        self.serving = [shard for shard in numbers if nodes[shard]]  # those owning a node: requests go to them
+        self.nodes = nodes
+        self.policies = [copy.deepcopy(policy) for _ in numbers]  # each its own index over its own nodes
+        self.decided = self.kept = 0
+
+    def decide(self, fleet: Policy, job: Job, view: ClusterView, hits: PrefixHits | None) -> Decision:
+        """The decision of the shard ``job`` asks, on the prefill nodes and that shard's decode nodes."""
+        shard = shard_for(job.request_id, self.serving)
+        own = ClusterView(view.prefill, tuple(view.decode[i] for i in self.nodes[shard]))
+        args = (job.priority, job.output_tokens)
+        decision = self.policies[shard].decide(job.prompt_tokens, own, hits, *args)
+        self.decided += 1
+        self.kept += kept_from_better(decision, fleet.decide(job.prompt_tokens, view, hits, *args))
+        return decision
+
+    @property
+    def kept_share(self) -> float:
+        return self.kept / self.decided if self.decided else 0.0
 
 
 class ClusterSim:
@@ -135,9 +175,11 @@ class ClusterSim:
         probe_every: int = 0,
         prefill_groups: Sequence[NodeGroup] = (),
         decode_groups: Sequence[NodeGroup] = (),
+        router_shards: int = 1,
     ) -> None:
         """``num_prefill`` and ``num_decode`` nodes of ``truth`` and ``hardware``, or, given groups, a mixed
-        fleet: each pool its groups' nodes in order (``hardware`` still gives the step noise)."""
+        fleet: each pool its groups' nodes in order (``hardware`` still gives the step noise). With
+        ``router_shards`` above 1, decisions are taken by that many router shards (``core.shards``)."""
         prefill_groups = prefill_groups or (NodeGroup(num_prefill, truth, hardware),)
         decode_groups = decode_groups or (NodeGroup(num_decode, truth, hardware),)
         num_prefill, num_decode = sum(g.count for g in prefill_groups), sum(g.count for g in decode_groups)
@@ -184,6 +226,7 @@ class ClusterSim:
         self._num_shed = 0
         self.probes: dict[int, RequestRecord] = {}
         self._last_view: ClusterView | None = None
+        self._shards = _Shards(policy, [n.node_id for n in self.decode], router_shards) if router_shards > 1 else None
 
     def _push(self, time_s: float, kind: Kind, payload: object) -> None:
         self._seq += 1
@@ -215,7 +258,11 @@ class ClusterSim:
     # ---- event handlers -------------------------------------------------------------------
 
     def _arrive(self, job: Job) -> None:
-        decision = self.policy.decide(job.prompt_tokens, self.view(), self.hits(job), job.priority, job.output_tokens)
+        view, hits = self.view(), self.hits(job)
+        if self._shards is None:
+            decision = self.policy.decide(job.prompt_tokens, view, hits, job.priority, job.output_tokens)
+        else:
+            decision = self._shards.decide(self.policy, job, view, hits)
         job.decision = decision
         if decision.shed:
             self._num_shed += 1
@@ -387,7 +434,9 @@ class ClusterSim:
         makespan = self.now
         busy_prefill = sum(n.busy_s for n in self.prefill) / (len(self.prefill) * makespan) if makespan else 0.0
         busy_decode = sum(n.busy_s for n in self.decode) / (len(self.decode) * makespan) if makespan else 0.0
-        return SimResult(self._records(requests), requests, busy_prefill, busy_decode, events, makespan, self.probes)
+        kept = self._shards.kept_share if self._shards is not None else None
+        records = self._records(requests)
+        return SimResult(records, requests, busy_prefill, busy_decode, events, makespan, self.probes, kept)
 
     def _loop(self, progress: Callable[[int], None] | None, until: Job | None = None) -> int:
         """Handle events until none is left, or ``until`` has finished; returns how many were handled."""

@@ -39,6 +39,7 @@ class SimSetup:
     prefill_groups: tuple[NodeGroup, ...] = ()
     decode_groups: tuple[NodeGroup, ...] = ()
     node_models: bool = True  # the policy prices each node with its own group's model, not the pool's
+    router_shards: int = 1  # router shards dividing the decode nodes (``core.shards``; 1: one router)
 
     @classmethod
     def from_config(
@@ -106,6 +107,7 @@ class SimSetup:
             self.probe_every,
             self._shown(self.prefill_groups, policy),
             self._shown(self.decode_groups, policy),
+            self.router_shards,
         )
         result = sim.run(workload.clipped_to_context(self.hardware.context_tokens), progress)
         for record in result.records:
@@ -170,7 +172,11 @@ def sweep(
             stats = gap_stats(result.records, slo)
             util = (result.prefill_util, result.decode_util)
             mode = setup.config.admission.mode.value
-            summary.append(summarize(result.records, slo, spec, rps, *util, stats=stats, admission=mode))
+            row = summarize(result.records, slo, spec, rps, *util, stats=stats, admission=mode)
+            row["router_shards"] = setup.router_shards
+            if result.kept_from_better is not None:
+                row["shard_kept_pct"] = 100 * result.kept_from_better
+            summary.append(row)
             rows.extend(record_rows(result.records, slo, spec, rps, stats))
             by_run[(spec, rps)] = result.records
     return summary, rows, by_run

@@ -20,6 +20,7 @@ from typing import Any
 
 from kairos_ray.core import Decision, Route
 from kairos_ray.messages import DecisionRequest, EngineRequest, KVHandoff, RoutingReply, TokenBatch, TokenEvent
+from kairos_ray.serve.delivery import NodeGroups
 from kairos_ray.serve.dispatch import Dispatcher, ServingLimits
 from kairos_ray.serve.metrics import IngressMetrics
 from kairos_ray.serve.types import LineOff
@@ -173,11 +174,16 @@ class FakeCluster:
         decide: Callable[[DecisionRequest], Decision],
         decode_nodes: tuple[str, ...] = ("decode-a", "decode-b"),
         limits: ServingLimits = LIMITS,
+        second_decode_group: tuple[str, ...] = (),
     ) -> None:
+        """``second_decode_group``: the nodes of a second decode group (``decode-1-<id>``), its pool ``second``."""
         self.router = FakeRouter(decide)
         self.prefill = FakePrefillPool()
         self.decode = FakeDecodePool(decode_nodes)
-        self.dispatcher = Dispatcher(self.router, self.prefill, self.decode, limits, IngressMetrics(), "ingress-1")  # type: ignore[arg-type]
+        self.second = FakeDecodePool(second_decode_group)
+        decode = [self.decode, self.second] if second_decode_group else [self.decode]
+        pools = NodeGroups([self.prefill]), NodeGroups(decode)  # type: ignore[arg-type, list-item]
+        self.dispatcher = Dispatcher(self.router, *pools, limits, IngressMetrics(), "ingress-1")  # type: ignore[arg-type]
 
 
 def request(request_id: int = 1, prompt_tokens: int = 64, max_tokens: int = 4, **fields: Any) -> EngineRequest:

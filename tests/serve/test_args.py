@@ -36,6 +36,7 @@ def test_shipped_configs_validate(name, nodes):
         ("2p2d-cpu.yaml", True),
         ("2p2d.yaml", False),
         ("2p2d-h100.yaml", False),
+        ("2p2d-mixed.yaml", False),
         ("1p1d.yaml", False),
     ],
 )
@@ -84,6 +85,37 @@ def test_pools_must_share_engine_and_model():
     args["decode_config"]["engine"] = "vllm"
     with pytest.raises(ValidationError, match="differ"):
         AppArgs.model_validate(args)
+
+
+def test_the_mixed_config_is_a_decode_pool_of_two_node_groups_each_with_its_deployment_and_profile():
+    args = AppArgs.model_validate(args_of("2p2d-mixed.yaml"))
+    a100, h100 = args.groups(Role.DECODE)
+    assert (a100.accelerator_type, a100.profile, h100.accelerator_type) == ("A100", None, "H100")
+    assert h100.profile == "h100-deepseek-v2-lite" and args.kairos.predictor.profile == "a100-deepseek-v2-lite"
+    assert [pool_options(Role.DECODE, pool, args.kairos, i)["name"] for i, pool in enumerate((a100, h100))] == [
+        "decode",
+        "decode-1",
+    ]
+    assert len(args.groups(Role.PREFILL)) == 1
+    assert build_app(args) is not None  # a deployment per group; the replicas need the GPU nodes
+
+
+def test_node_groups_must_serve_one_model_one_way_under_names_of_their_own():
+    args = args_of("2p2d-emulated.yaml")
+    group = args["decode_config"]
+    assert AppArgs.model_validate({**args, "decode_config": [group, {**group, "profile": "h100-deepseek-v2-lite"}]})
+    cases = [
+        ([], "at least 1"),
+        ([group, {**group, "profile": "no-such-profile"}], "no profile file"),
+        ([group, {**group, "model_loading_config": {"model_id": "other"}}], "one model"),
+        ([group, {**group, "deployment_config": {"name": "decode"}}], "deployment names must differ"),
+        ([group, {**group, "deployment_config": {"name": "Router"}}], "deployment names must differ"),
+    ]
+    for groups, message in cases:
+        with pytest.raises(ValidationError, match=message):
+            AppArgs.model_validate({**args, "decode_config": groups})
+    with pytest.raises(ValidationError, match=r"prefill_config.engine \(emulated\) and decode_config\[1\].engine"):
+        AppArgs.model_validate({**args, "decode_config": [group, {**group, "engine": "vllm"}]})
 
 
 def test_the_kv_channel_is_for_vllm_engines_and_known_backends():
@@ -210,7 +242,7 @@ def test_llm_config_fields_map_to_what_they_mean_in_ray_serve_llm():
             ),
         }
     )
-    prefill = pool_options("prefill", args.prefill_config, args.kairos)
+    prefill = pool_options(Role.PREFILL, args.prefill_config, args.kairos)
     assert prefill["name"] == "P"
     # a bundle per tensor-parallel worker, the replica's own resources added to the first (Ray Serve LLM's rule)
     assert prefill["placement_group_bundles"] == [{"CPU": 2, "prefill_node": 1}, {"CPU": 1}]
@@ -225,7 +257,7 @@ def test_llm_config_fields_map_to_what_they_mean_in_ray_serve_llm():
     assert not decode.log_engine_metrics and args.prefill_config.log_engine_metrics  # on by default, as in Ray
     assert decode.vllm_engine_kwargs() == {"served_model_name": "tiny-llama", "tokenizer": "tok"}
     assert decode.model_loading_config.tokenizer == "tok"
-    assert pool_options("decode", decode, args.kairos)["num_replicas"] == 1
+    assert pool_options(Role.DECODE, decode, args.kairos)["num_replicas"] == 1
 
 
 def test_the_serving_section_sets_the_routers_hand_off_ttl_and_refit():
@@ -246,7 +278,10 @@ def test_the_serving_section_sets_the_routers_hand_off_ttl_and_refit():
 def test_a_node_id_names_its_role_and_replica_and_nothing_else_reads_as_one():
     node = NodeId(Role.DECODE, "ab12cd34")
     assert str(node) == "decode-ab12cd34" and NodeId.parse(str(node)) == node
-    for junk in ("Router", "decode-", "prefill-a-b", "gpu-ab12", ""):
+    second = NodeId(Role.DECODE, "ab12cd34", group=1)  # of the second decode group
+    assert str(second) == "decode-1-ab12cd34" and NodeId.parse(str(second)) == second
+    assert second.group_name == "decode-1" and node.group_name == "decode"
+    for junk in ("Router", "decode-", "prefill-a-b", "gpu-ab12", "decode-0-ab12", "decode--ab12", "decode-1-", ""):
         with pytest.raises(ValueError, match="no node id"):
             NodeId.parse(junk)
     assert replica_of("decode-ab12cd34") == "ab12cd34" and replica_of("Router") == ""

@@ -1,8 +1,10 @@
 """Ray's own tools and the live view on a running app.
 
-One emulated 2P2D app with Ray's dashboard on 127.0.0.1, as ``make run-emulated``
+One emulated app with Ray's dashboard on 127.0.0.1, as ``make run-emulated``
 starts it (``scripts/run_local.sh`` gives ``ray start`` the same dashboard), serves
-every test here: ``serve status``, ``ray list actors``, the dashboard's Serve page
+every test here. Its fleet is mixed: two prefill nodes, and two decode groups of a
+node each, an A100 (the predictor's profile) and an H100 (a profile of its own,
+``serve_configs/2p2d-mixed.yaml``'s shape). The tests: ``serve status``, ``ray list actors``, the dashboard's Serve page
 rendered by headless Chromium, ``GET /kairos/state`` and ``kairos top`` (once, and
 live under tmux). Tests run Ray without its token auth, as ``make run`` does.
 """
@@ -14,15 +16,19 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from html.parser import HTMLParser
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
+from ray import serve
 
 from kairos_ray.bench.serving_cost import cpu_s, router_calls, serving_processes
-from kairos_ray.messages import LiveState, Role
+from kairos_ray.config import resolve_profile
+from kairos_ray.core import StepLatencyModel
+from kairos_ray.messages import LiveState, NodeId, Role
 from tests import shared_ray
 
 from .conftest import MODEL, app_args, running_app
@@ -30,14 +36,28 @@ from .conftest import MODEL, app_args, running_app
 pytestmark = pytest.mark.ray
 
 BIN = Path(sys.executable).parent
-DEPLOYMENTS = {"Ingress": 1, "Router": 1, "prefill": 2, "decode": 2}  # name -> replicas
+DEPLOYMENTS = {"Ingress": 1, "Router": 1, "prefill": 2, "decode": 1, "decode-1": 1}  # name -> replicas
+H100 = "h100-deepseek-v2-lite"
+
+
+def mixed_args() -> dict:
+    """``app_args`` with its decode pool as two groups of a node each: the A100 profile's, then an H100's."""
+    args = app_args()
+    a100 = {
+        **args["decode_config"],
+        "deployment_config": {"num_replicas": 1, "ray_actor_options": {"resources": {"decode_node": 0.01}}},
+    }
+    args["decode_config"] = [a100, {**a100, "profile": H100}]
+    return args
+
+
 CHROMIUM = next((shutil.which(name) for name in ("chromium", "chromium-browser") if shutil.which(name)), None)
 
 
 @pytest.fixture(scope="module")
 def dashboard_app():
     """(app URL, dashboard URL) of the emulated app, with Ray's dashboard on."""
-    with running_app(app_args(), MODEL, ready_within_s=180) as (url, _):
+    with running_app(mixed_args(), MODEL, ready_within_s=180) as (url, _):
         yield url, shared_ray.start().dashboard_url
 
 
@@ -137,6 +157,30 @@ def send_requests(url: str) -> None:
     assert httpx.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=60).status_code == 404
 
 
+def test_a_mixed_fleet_serves_on_both_decode_groups_each_priced_with_its_own_profile(dashboard_app):
+    url, _ = dashboard_app
+    body = {"model": MODEL, "prompt": list(range(2000)), "max_tokens": 4}
+    groups: set[str] = set()
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(10):  # bursts until each group's node has served one (the first burst does, as a rule)
+            replies = list(pool.map(lambda _: httpx.post(f"{url}/v1/completions", json=body, timeout=120), range(8)))
+            assert all(r.status_code == 200 for r in replies), [r.text for r in replies if r.status_code != 200]
+            groups |= {NodeId.parse(r.headers["x-kairos-decode-node"]).group_name for r in replies}
+            if groups == {"decode", "decode-1"}:
+                break
+    assert groups == {"decode", "decode-1"}
+    router = serve.get_deployment_handle("Router", app_name="kairos")
+    nodes = router.snapshot.remote().result(timeout_s=60)
+    a100, h100 = (StepLatencyModel.load(resolve_profile(p)) for p in ("a100-deepseek-v2-lite", H100))
+    for node_id, state in nodes.items():
+        if NodeId.parse(node_id).role is Role.DECODE:
+            # the model the router decides on: the group's profile (scaled to the node's steps, about x1 here)
+            own = H100 if NodeId.parse(node_id).group_name == "decode-1" else None
+            model = state.view.model or a100  # none of its own: the predictor's (its refit)
+            profile = h100 if own else a100
+            assert model.step_s(16, 100_000, 512) == pytest.approx(profile.step_s(16, 100_000, 512), rel=0.2), node_id
+
+
 def test_the_live_state_holds_every_node_and_the_last_minute(dashboard_app):
     url, _ = dashboard_app
     send_requests(url)
@@ -145,6 +189,10 @@ def test_the_live_state_holds_every_node_and_the_last_minute(dashboard_app):
     roles = sorted(node.role.value for node in state.router.nodes)
     assert roles == ["decode", "decode", "prefill", "prefill"]
     assert all(node.node_id.startswith(node.role.value + "-") and node.report_age_s < 5 for node in state.router.nodes)
+    assert sorted(NodeId.parse(n.node_id).group_name for n in state.router.nodes if n.role is Role.DECODE) == [
+        "decode",
+        "decode-1",
+    ]
     assert sum(node.num_routed for node in state.router.nodes if node.role is Role.DECODE) >= 3
     assert any(node.num_steps and node.step_measured_s > 0 and node.step_predicted_s > 0 for node in state.router.nodes)
     service = state.service
@@ -202,5 +250,5 @@ def test_the_serving_cost_bench_finds_every_process_of_the_serving_path(dashboar
     processes = serving_processes("kairos")
     kinds = sorted(p.name.split("#")[0] for p in processes)
     # the proxy, every replica, and the router's actor, which takes the decisions and reports
-    assert kinds == ["Ingress", "Router", "decode", "decode", "prefill", "prefill", "proxy", "router-actor"]
+    assert kinds == ["Ingress", "Router", "decode", "decode-1", "prefill", "prefill", "proxy", "router-actor"]
     assert len({p.pid for p in processes}) == len(processes) and all(cpu_s(p.pid) > 0 for p in processes)

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from kairos_ray.serve.delivery import ChosenNodeRouter, apart, replica_of
+from kairos_ray.serve.delivery import ChosenNodeRouter, NodeGroups, apart, replica_of
 
 REPLICAS = [types.SimpleNamespace(replica_id=types.SimpleNamespace(unique_id=u)) for u in ("aaaa", "bbbb", "cccc")]
 
@@ -41,3 +41,13 @@ def test_a_call_made_apart_runs_outside_the_callers_context():
     marker.set("the current request")
     assert apart(lambda: marker.get()) == "none"  # Serve gives such a call a request id of its own
     assert marker.get() == "the current request"
+
+
+def test_a_node_is_reached_through_its_own_groups_handle_and_a_call_for_no_node_through_any_group():
+    first, second = object(), object()
+    groups = NodeGroups([first, second])  # type: ignore[list-item]
+    assert groups.of("decode-aaaa") is first and groups.of("decode-1-aaaa") is second
+    drawn = {id(groups.of(node)) for node in (None, "", "Router", "decode-7-aaaa") for _ in range(20)}
+    assert drawn == {id(first), id(second)}  # a group drawn at random, never an error
+    with pytest.raises(ValueError, match="at least one"):
+        NodeGroups([])

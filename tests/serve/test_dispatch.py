@@ -71,6 +71,25 @@ def test_a_handed_off_request_releases_its_kv_once_its_first_token_is_here():
     assert sum(cluster.dispatcher.mux.residue().values()) == 0
 
 
+def test_a_node_of_a_second_decode_group_is_called_through_its_groups_deployment_from_start_to_abort():
+    async def scenario():
+        cluster = FakeCluster(hand_off("prefill-a", "decode-1-x"), second_decode_group=("decode-1-x",))
+        req = request(max_tokens=8)
+        run_ = cluster.dispatcher.run(req)
+        starting = asyncio.ensure_future(run_.start())
+        await until(lambda: cluster.second.started)
+        cluster.second.emit("decode-1-x", req, 0, 2)  # its tokens come over its group's subscription
+        first = await starting
+        run_.close()  # the client went away
+        return cluster, first
+
+    cluster, first = run(scenario)
+    assert [e.index for e in first] == [0, 1]
+    assert [node for node, _, _ in cluster.second.started] == ["decode-1-x"] and cluster.decode.started == []
+    assert cluster.second.cancelled() == [(1, 0, "decode-1-x")] and cluster.decode.cancelled() == []
+    assert sum(cluster.dispatcher.mux.residue().values()) == 0
+
+
 @pytest.mark.parametrize("when", ["before_first_token", "after_first_token"])
 def test_a_client_that_goes_away_aborts_its_run_and_frees_its_kv(when):
     async def scenario():

@@ -3,6 +3,7 @@
 import asyncio
 
 from kairos_ray.messages import TokenBatch, TokenEvent
+from kairos_ray.serve.delivery import NodeGroups
 from kairos_ray.serve.mux import Outbox, StreamFailed, TokenMux
 from tests.serve.fakes import until
 
@@ -85,7 +86,7 @@ def batch(key, first, count) -> TokenBatch:
 def test_tokens_that_come_before_their_queue_opens_wait_for_it_in_order():
     async def scenario():
         pool = Node()
-        mux = TokenMux(pool, "ingress-1")
+        mux = TokenMux(NodeGroups([pool]), "ingress-1")  # type: ignore[list-item]
         mux.expect((7, 0))
         mux.subscribe("decode-0")
         pool.feed("decode-0").put_nowait(batch((7, 0), 0, 2))
@@ -104,7 +105,7 @@ def test_tokens_that_come_before_their_queue_opens_wait_for_it_in_order():
 def test_a_broken_subscription_fails_every_request_it_carried_and_nothing_else():
     async def scenario():
         pool = Node()
-        mux = TokenMux(pool, "ingress-1")
+        mux = TokenMux(NodeGroups([pool]), "ingress-1")  # type: ignore[list-item]
         on_a, also_on_a, on_b = mux.open((1, 0), "decode-a"), mux.open((2, 0), "decode-a"), mux.open((3, 0), "decode-b")
         pool.feed("decode-a").put_nowait(ConnectionError("replica died"))
         failed = [await asyncio.wait_for(q.get(), 5) for q in (on_a, also_on_a)]
@@ -119,7 +120,7 @@ def test_a_broken_subscription_fails_every_request_it_carried_and_nothing_else()
 def test_an_idle_subscription_ends_and_comes_back_only_while_a_request_waits_on_its_node():
     async def scenario():
         pool = Node()
-        mux = TokenMux(pool, "ingress-1")
+        mux = TokenMux(NodeGroups([pool]), "ingress-1")  # type: ignore[list-item]
         mux.open((1, 0), "decode-a")
         pool.feed("decode-a").put_nowait(None)  # the node ended it, idle, as the request started
         await until(lambda: pool.subscriptions == 2)  # the request waits there: listened to again
@@ -135,7 +136,7 @@ def test_an_idle_subscription_ends_and_comes_back_only_while_a_request_waits_on_
 def test_what_comes_for_a_request_that_ended_here_is_dropped_not_kept():
     async def scenario():
         pool = Node()
-        mux = TokenMux(pool, "ingress-1")
+        mux = TokenMux(NodeGroups([pool]), "ingress-1")  # type: ignore[list-item]
         mux.open((1, 0), "decode-a")
         mux.close((1, 0))  # its client went away
         pool.feed("decode-a").put_nowait(batch((1, 0), 5, 3))

@@ -29,6 +29,7 @@ from ray import serve
 from ray.llm._internal.serve.serving_patterns.prefill_decode.builder import PDServingArgs
 from transformers import AutoTokenizer
 
+from kairos_ray.messages import Role
 from kairos_ray.serve import build_app, pool_options
 from kairos_ray.serve.args import AppArgs
 from tests.engines.tiny import TINY_KWARGS
@@ -57,7 +58,7 @@ def test_the_documented_config_validates_and_builds_with_only_import_path_change
     (app,) = switched()["applications"]
     PDServingArgs.model_validate(copy.deepcopy(app["args"]))  # Ray Serve LLM's own P/D model takes it too
     args = AppArgs.model_validate(app["args"])
-    for role, pool, low, high in (("prefill", args.prefill_config, 2, 4), ("decode", args.decode_config, 6, 10)):
+    for role, pool, low, high in ((Role.PREFILL, args.prefill_config, 2, 4), (Role.DECODE, args.decode_config, 6, 10)):
         assert pool.engine == "vllm" and pool.kv_connector == "NixlConnector"
         options = pool_options(role, pool, args.kairos)
         assert options["autoscaling_config"]["min_replicas"] == low

@@ -5,7 +5,7 @@ import pytest
 
 from kairos_ray.config import resolve_profile
 from kairos_ray.core import StepLatencyModel
-from kairos_ray.messages import StepRecord
+from kairos_ray.messages import DecisionRequest, StepRecord
 from kairos_ray.serve.refit import OnlineRefit
 
 SHIPPED = StepLatencyModel.load(resolve_profile("a100-deepseek-v2-lite"))
@@ -216,3 +216,33 @@ def test_use_policy_starts_the_router_over_without_the_nodes_calibrations():
     router.report(NodeState(DecodeNodeView("d1", 0, 0, 1_000_000), "host", 0.0))
     views = {n.node_id: n for n in router.state.view(0.0)[0].decode}
     assert views["d1"].model is None  # priced with the pool's model again
+
+
+def test_a_node_group_with_its_own_profile_is_priced_with_it_and_kept_out_of_the_pools_refit():
+    from kairos_ray.config import KairosConfig
+    from kairos_ray.core import DecodeNodeView, PrefillNodeView
+    from kairos_ray.messages import NodeState
+    from kairos_ray.serve.router import RouterActor
+    from kairos_ray.serve.types import RouterOptions
+
+    h100 = StepLatencyModel.load(resolve_profile("h100-deepseek-v2-lite"))
+    options = RouterOptions(refit_every_steps=300, group_profiles=(("decode-1", "h100-deepseek-v2-lite"),))
+    router = RouterActor(KairosConfig(), options)
+    fast, usual = DecodeNodeView("decode-1-hhhh", 0, 0, 1_000_000), DecodeNodeView("decode-aaaa", 0, 0, 1_000_000)
+    router.report(NodeState(PrefillNodeView("prefill-pppp"), "host", 0.0))
+    router.report(NodeState(usual, "host", 0.0))
+    router.report(NodeState(fast, "host", 0.0, tuple(reports(h100, 1))))
+    views = {n.node_id: n for n in router.state.view(0.0)[0].decode}
+    assert views["decode-1-hhhh"].model is router.group_models["decode-1"]  # its group's profile, from its first report
+    assert views["decode-aaaa"].model is None  # the pool's: the policy's own
+    assert router.model.step_s(64, 200_000, 512) > 1.2 * h100.step_s(64, 200_000, 512)  # the A100 profile
+    # 400 steps at the H100's speed: they calibrate that node on its own profile (about x1), not the A100 model
+    for i in range(4):
+        router.report(NodeState(fast, "host", 0.0, tuple(reports(h100, 100, seed=i))))
+    assert router.refit is not None and router.refit.num_samples == 0  # not one refits the predictor's model
+    assert router.scales is not None and router.scales.scale_of("decode-1-hhhh", "decode-1") == pytest.approx(1.0)
+    (node,) = [n for n in router.live().nodes if n.node_id == "decode-1-hhhh"]
+    assert node.step_error < 0.05  # its steps are priced with the model that fits them
+    (reply,) = router.decide_many([DecisionRequest(1, 2000, 8)])
+    if reply.decision.decode_node == "decode-1-hhhh":
+        assert reply.decode_model == router.state.policy.model_of(views["decode-1-hhhh"])

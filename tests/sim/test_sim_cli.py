@@ -108,3 +108,23 @@ def test_sim_names_a_bad_node_group():
     ):
         result = kairos("sim", "--decode", value, "--requests", "10")
         assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr
+
+
+def test_sim_with_router_shards_prints_what_sharding_cost_against_one_router(tmp_path):
+    out = tmp_path / "sharded"
+    result = kairos(
+        "sim", "--workload", "bursty", "--rps", "2,6", "--policies", "kairos", "--requests", "200", "--decode", "4",
+        "--router-shards", "2", "--no-plots", "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    table = result.stdout.split("2 router shards against one router (the same runs):\n")[1].splitlines()
+    rows = [line.split() for line in table[1:3]]
+    assert [row[:2] for row in rows] == [["kairos", "2.00"], ["kairos", "6.00"]]
+    with (out / "summary.csv").open() as f:
+        summary = list(csv.DictReader(f))
+    for row, printed in zip(summary, rows, strict=True):  # the sharded runs' figures, and the share they missed
+        assert row["router_shards"] == "2" and printed[3] == f"{float(row['p95_ttft_s']):.2f}s"
+        assert printed[-1] == f"{float(row['shard_kept_pct']):.2f}%" and 0 <= float(row["shard_kept_pct"]) <= 100
+    result = kairos("sim", "--workload", "bursty", "--decode", "4", "--router-shards", "5", "--requests", "10")
+    assert result.returncode == 2 and "more shards than the 4 decode nodes" in result.stderr
+    assert "Traceback" not in result.stderr
