@@ -241,6 +241,9 @@ class DecisionRequest:
     # a decode node known to hold the prompt's KV (another sample of the prompt has its first token there): its hit
     # is every block a hit may count, whether or not its prefix-cache report has come in ("": none known)
     held_on: str = ""
+    # router shards (``serving.router_shards``): the shards the asker deems live; the shard asked decides on the
+    # decode nodes it owns among them (``core.shards.owner``), taking over a dead shard's. (): one router, or all live
+    shards: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,19 +95,27 @@ def kill_replica(app: str, node_id: str) -> None:
     ray.kill(replica(app, node_id), no_restart=True)
 
 
-def router_actor(app: str) -> Any:
-    """The ``RouterActor`` that the app's ``Router`` replica owns (decisions and reports go to it)."""
-    return deployment_handle("Router", app).handle.remote().result(timeout_s=60)
+def router_actor(app: str, shard: str = "Router") -> Any:
+    """The ``RouterActor`` that the app's ``Router`` replica (or a router shard's, ``Router-1``...) owns
+    (decisions and reports go to it)."""
+    return deployment_handle(shard, app).handle.remote().result(timeout_s=60)
+
+
+def router_shards(app: str) -> list[str]:
+    """The deployments of ``app``'s router shards that have a live replica (``Router``, ``Router-1``, ...)."""
+    prefix = f"SERVE_REPLICA::{app}#"
+    named = ray.util.list_named_actors(all_namespaces=True)
+    names = {a["name"][len(prefix) :].split("#")[0] for a in named if a["name"].startswith(prefix)}
+    return sorted(n for n in names if n == "Router" or (n.startswith("Router-") and n[7:].isdigit()))
 
 
 def residues(app: str, timeout_s: float = 30.0) -> list[Residue]:
-    """What each serving process of ``app`` still holds per request: the ingress, the router, every node the
-    router sees (``messages.Residue``; all idle once the app is)."""
+    """What each serving process of ``app`` still holds per request: the ingress, every router shard, every node
+    the router sees (``messages.Residue``; all idle once the app is)."""
     router = deployment_handle("Router", app)
-    found: list[Residue] = [
-        deployment_handle("Ingress", app).residue.remote().result(timeout_s=timeout_s),
-        router.residue.remote().result(timeout_s=timeout_s),
-    ]
+    found: list[Residue] = [deployment_handle("Ingress", app).residue.remote().result(timeout_s=timeout_s)]
+    for shard in router_shards(app):
+        found.append(deployment_handle(shard, app).residue.remote().result(timeout_s=timeout_s))
     for node in router.snapshot.remote().result(timeout_s=timeout_s):
         pool = deployment_handle(deployment_of(app, node), app)
         found.append(pool.residue.remote(node=node).result(timeout_s=timeout_s))

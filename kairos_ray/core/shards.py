@@ -41,6 +41,29 @@ def owned(node_ids: Iterable[str], shard: int, shards: Iterable[int]) -> list[st
     return [node for node in node_ids if owner(node, live) == shard]
 
 
+class Owners:
+    """``owner`` remembered per node and live set (a node's owner changes only when the live shards do), for a
+    router that filters its view by it on every decision."""
+
+    def __init__(self) -> None:
+        self._by_live: dict[tuple[int, ...], dict[str, int]] = {}
+
+    def of(self, node_id: str, live: tuple[int, ...]) -> int:
+        """``owner(node_id, live)``; ``live`` sorted."""
+        known = self._by_live.get(live)
+        if known is None:
+            known = self._by_live[live] = {}
+        shard = known.get(node_id)
+        if shard is None:
+            shard = known[node_id] = owner(node_id, live)
+        return shard
+
+    def forget(self, node_id: str) -> None:
+        """A node left: its entries go (nothing grows with the nodes that came and went)."""
+        for known in self._by_live.values():
+            known.pop(node_id, None)
+
+
 def shard_for(sequence: int, shards: Sequence[int]) -> int:
     """The shard a request asks: the ``sequence``-th request goes to the shards (those owning nodes) in turn."""
     if not shards:

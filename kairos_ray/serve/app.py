@@ -11,7 +11,7 @@ from ray.serve import Application, Deployment
 
 from kairos_ray.config import KairosConfig
 from kairos_ray.messages import NodeId, Role
-from kairos_ray.serve.args import AppArgs, PoolConfig
+from kairos_ray.serve.args import AppArgs, PoolConfig, router_names
 from kairos_ray.serve.engine_server import EngineServer
 from kairos_ray.serve.ingress import Ingress
 from kairos_ray.serve.router import Router
@@ -90,7 +90,7 @@ def pool_options(role: Role, pool: PoolConfig, kairos: KairosConfig, group: int 
 
 
 def _groups(
-    role: Role, args: AppArgs, router: Application, app_secret: bytes, router_options: RouterOptions
+    role: Role, args: AppArgs, routers: list[Application], app_secret: bytes, router_options: RouterOptions
 ) -> list[Application]:
     """A deployment per node group of the role; its replicas get the validated sections themselves, not dicts to
     validate again."""
@@ -104,7 +104,7 @@ def _groups(
         node = NodeId(role, "", group)
         profile = router_options.profile_of(node.group_name) or kairos.predictor.profile
         server = _deployment(EngineServer).options(**options)
-        apps.append(server.bind(node, kairos, serving, router, pool, profile, app_secret))
+        apps.append(server.bind(node, kairos, serving, routers, pool, profile, app_secret))
     return apps
 
 
@@ -119,7 +119,10 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         if pool.profile is not None
     )
     router_options = replace(serving.router_options(), group_profiles=group_profiles)
-    router = _deployment(Router).bind(kairos, router_options)
+    routers = [  # a deployment per router shard, each with its own options (its shard number)
+        _deployment(Router).options(name=name).bind(kairos, replace(router_options, shard=shard))
+        for shard, name in enumerate(router_names(serving.router_shards))
+    ]
     secret = secrets.token_bytes(32)  # this application's engines prove it to each other (KV channel pairs)
     decode = args.groups(Role.DECODE)[0]  # the groups serve one model one way: the ingress reads the first's
     vllm = decode.engine == "vllm"  # the ingress renders prompts as the decode engines will see them
@@ -127,9 +130,9 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     if args.ingress_deployment_config:
         ingress = ingress.options(**args.ingress_deployment_config)
     return ingress.bind(
-        router,
-        _groups(Role.PREFILL, args, router, secret, router_options),
-        _groups(Role.DECODE, args, router, secret, router_options),
+        routers,
+        _groups(Role.PREFILL, args, routers, secret, router_options),
+        _groups(Role.DECODE, args, routers, secret, router_options),
         decode.model_loading_config.model_id,
         serving,
         kairos.slo,

@@ -479,12 +479,23 @@ class ServingConfig(_Strict):
         "(cheaper than a Ray call's round trip); false: Ray actor calls only (nodes that cannot reach each other's "
         "ports beyond Ray's)",
     )
+    router_shards: int = Field(
+        RouterOptions.shards,
+        ge=1,
+        le=64,
+        description="router shards (deployments Router, Router-1, ...): each decides on the decode nodes it owns, "
+        "every prefill node shared, on the requests the ingress sends it in turn; a dead shard's nodes go to the "
+        "others at once. 1: one router (enough below a few hundred decode nodes)",
+    )
     seed: int = Field(ENGINE.seed, description="emulated engines: step-noise seed")
 
     def router_options(self) -> RouterOptions:
-        """What the router uses of this section."""
+        """What the router uses of this section (shard 0's: ``build_app`` numbers the others)."""
         return RouterOptions(
-            refit_every_steps=self.refit_every_steps, handoff_ttl_s=self.handoff_ttl_s, tcp_line=self.router_tcp
+            refit_every_steps=self.refit_every_steps,
+            handoff_ttl_s=self.handoff_ttl_s,
+            tcp_line=self.router_tcp,
+            shards=self.router_shards,
         )
 
     def engine_options(self) -> EngineOptions:
@@ -536,6 +547,11 @@ def _check_parsers(parsing: dict[str, Any], reasoning_parser: str | None, tokeni
         )
     except TypeError as exc:  # vLLM's own message names the parser and the tokenizer
         raise ValueError(f"engine_kwargs: {exc}") from None
+
+
+def router_names(shards: int) -> list[str]:
+    """The router shards' deployments: ``Router``, ``Router-1``, ..."""
+    return ["Router", *(f"Router-{i}" for i in range(1, shards))]
 
 
 class AppArgs(_Strict):
@@ -613,9 +629,8 @@ class AppArgs(_Strict):
                     "pool's (its answers are parsed): set it in decode_config.engine_kwargs"
                 )
         deployments = [self.deployment_name(role, i, pool) for role in Role for i, pool in enumerate(self.groups(role))]
-        clashing = sorted(
-            {d for d in deployments if deployments.count(d) > 1} | ({"Router", "Ingress"} & {*deployments})
-        )
+        apps = {"Ingress", *router_names(self.serving.router_shards)}
+        clashing = sorted({d for d in deployments if deployments.count(d) > 1} | (apps & {*deployments}))
         if clashing:
             raise ValueError(f"node groups' deployment names must differ from each other's and the app's: {clashing}")
         if first.engine == "vllm":

@@ -47,13 +47,14 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ray.serve.handle import DeploymentHandle
 
 from kairos_ray.core import Admission, Route, block_ids
+from kairos_ray.core.shards import shard_for
 from kairos_ray.engines import without_prompt_logprobs
 from kairos_ray.messages import DecisionRequest, EngineRequest, KVHandoff, RoutingReply, TokenEvent, TTFTBreakdown
 from kairos_ray.serve.delivery import NodeGroups, apart
@@ -222,13 +223,77 @@ class DecisionBatcher:
                 reply.set_result(replies[i])
 
 
+SHARD_DOWN_S = 5.0  # a router shard that failed a decision is asked nothing for this long (its nodes go to others)
+
+
+class RouterShards:
+    """An ingress replica's router shards (``core.shards``): a ``DecisionBatcher`` per shard, the requests sent to
+    the live shards in turn, each naming the shards it deems live.
+
+    A shard that fails a decision (dead: its link fails at once; hung: the
+    decision's deadline passes) is left out for ``SHARD_DOWN_S``: the next
+    requests go to the others, which take over its decode nodes because the
+    requests name it no more, and a request that has time left is asked
+    again of another shard at once. After that it is asked again (Serve has
+    replaced a dead one by then, or will). With one shard this is a batcher.
+    """
+
+    def __init__(
+        self, routers: Sequence[DeploymentHandle[Any]], timeout_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if not routers:
+            raise ValueError("an app has at least one router shard")
+        self.batchers = [DecisionBatcher(RouterLink(router), timeout_s) for router in routers]
+        self.clock = clock
+        self._down_until = [0.0] * len(routers)  # monotonic time until which each shard is left out
+        self._sequence = 0
+
+    def prefetch(self) -> None:
+        for batcher in self.batchers:
+            batcher.router.prefetch()
+
+    def live(self) -> tuple[int, ...]:
+        """The shards asked now (every one, when all failed lately: one of them may be back)."""
+        now = self.clock()
+        up = tuple(shard for shard, until in enumerate(self._down_until) if until <= now)
+        return up or tuple(range(len(self.batchers)))
+
+    async def decide(self, request: DecisionRequest, timeout_s: float) -> RoutingReply:
+        """The reply of the shard whose turn it is, within ``timeout_s``; of another live one if that shard fails
+        (a shard with another after it gets half the time left). Raises what the last one failed with (a
+        ``TimeoutError`` at the deadline) when none is left."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        sharded = len(self.batchers) > 1
+        live = self.live()
+        shard = shard_for(self._sequence, live)
+        self._sequence += 1
+        while True:
+            others = [s for s in live if s != shard]
+            left = deadline - loop.time()
+            try:
+                async with asyncio.timeout(left / 2 if others else left):  # no task of its own, as wait_for makes
+                    return await self.batchers[shard].decide(
+                        dataclasses.replace(request, shards=live if sharded else ())
+                    )
+            except Exception:  # dead (its link fails) or hung (its time passed); a caller that left is not one
+                self._down_until[shard] = self.clock() + SHARD_DOWN_S
+                if not others:
+                    raise
+                live, shard = tuple(others), others[0]
+
+    def waiting(self) -> int:
+        """Decisions waiting for their tick's batch, over the shards (all 0 once idle)."""
+        return sum(len(batcher.waiting) for batcher in self.batchers)
+
+
 class Dispatcher:
     """Runs requests over the router and the two pools (calls go to their node's group and name their node:
     ``serve.delivery``)."""
 
     def __init__(
         self,
-        router: DeploymentHandle[Any],
+        routers: Sequence[DeploymentHandle[Any]],
         prefill: NodeGroups,
         decode: NodeGroups,
         limits: ServingLimits,
@@ -237,9 +302,8 @@ class Dispatcher:
     ) -> None:
         self.prefill, self.decode = prefill, decode
         self.mux = TokenMux(decode, listener)  # tokens arrive over one subscription per decode node
-        link = RouterLink(router)
-        link.prefetch()  # the replica is starting: its first decision finds the handle and the line
-        self.decisions = DecisionBatcher(link, limits.decision_timeout_s)
+        self.decisions = RouterShards(routers, limits.decision_timeout_s)
+        self.decisions.prefetch()  # the replica is starting: its first decision finds the handles and the lines
         self.limits = limits
         self.metrics = metrics
         self.block_tokens: tuple[int, ...] = ()  # block sizes of the nodes' prefix caches, as the router last said
@@ -254,7 +318,7 @@ class Dispatcher:
 
     def residue(self) -> dict[str, int]:
         """Per-request entries of the mux and the decision batcher (``messages.Residue``): all 0 once idle."""
-        return {**self.mux.residue(), "decisions_waiting": len(self.decisions.waiting)}
+        return {**self.mux.residue(), "decisions_waiting": self.decisions.waiting()}
 
     def block_ids(self, request: EngineRequest) -> dict[int, tuple[int, ...]]:
         """The prompt's block hashes per block size the nodes cache with (empty: no prefix identity); hashed
@@ -295,8 +359,7 @@ class Dispatcher:
         )
         asked = time.perf_counter()
         try:
-            async with asyncio.timeout(self.limits.decision_timeout_s):  # no task of its own, as wait_for makes
-                reply = await self.decisions.decide(wanted)
+            reply = await self.decisions.decide(wanted, self.limits.decision_timeout_s)
             self.metrics.router_calls.observe(time.perf_counter() - asked, tags={})
             if not reply.fallback:
                 self.block_tokens = reply.block_tokens

@@ -23,7 +23,7 @@ from ray.serve.handle import DeploymentHandle
 from kairos_ray.config import KairosConfig, resolve_profile
 from kairos_ray.core import StepLatencyModel
 from kairos_ray.engines import NodeSpec, build_engine
-from kairos_ray.messages import EngineRequest, KVHandoff, NodeId, Residue, TokenBatch
+from kairos_ray.messages import EngineRequest, KVHandoff, NodeId, NodeState, Residue, TokenBatch
 from kairos_ray.serve.args import PoolConfig, ServingConfig
 from kairos_ray.serve.autoscaling import node_signals
 from kairos_ray.serve.mux import Outbox, RequestKey
@@ -51,7 +51,7 @@ class EngineServer:
         group: NodeId,
         config: KairosConfig,
         options: ServingConfig,
-        router: DeploymentHandle[Any],
+        routers: list[DeploymentHandle[Any]],
         pool_config: PoolConfig,
         profile: str,
         app_secret: bytes = b"",
@@ -61,8 +61,9 @@ class EngineServer:
         self.node_id = str(replace(group, replica=context.replica_id.unique_id))
         profile_path = resolve_profile(profile)
         self.policy = config.build_policy(model=StepLatencyModel.load(profile_path))
-        self.router = RouterLink(router)
-        self.router.bind(asyncio.get_running_loop())
+        self.routers = [RouterLink(router) for router in routers]  # every shard takes every node's reports
+        for link in self.routers:
+            link.bind(asyncio.get_running_loop())
         self._outboxes: dict[str, Outbox] = {}  # ingress replica -> the tokens waiting for its next item
         self._runs: dict[RequestKey, asyncio.Task[None]] = {}  # (request id, attempt) -> its generation here
         spec = NodeSpec(
@@ -79,10 +80,15 @@ class EngineServer:
             ray_node_id=ray.get_runtime_context().get_node_id(),
             app_name=context.app_name,
             app_secret=app_secret,
-            on_state=self.router.report,
+            on_state=self._report,
         )
         self.engine = build_engine(pool_config.engine, spec)
         await self.engine.start()
+
+    def _report(self, state: NodeState) -> None:
+        """The node's state to every router shard (each keeps every node's, to take over a dead shard's)."""
+        for link in self.routers:
+            link.report(state)
 
     async def __del__(self) -> None:
         """Serve calls this when it stops the replica."""

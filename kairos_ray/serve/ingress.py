@@ -223,7 +223,7 @@ async def _interleaved(streams: list[AsyncGenerator[str, None]]) -> AsyncGenerat
 class Ingress:
     def __init__(
         self,
-        router: DeploymentHandle[Any],
+        routers: list[DeploymentHandle[Any]],
         prefill: list[DeploymentHandle[Any]],
         decode: list[DeploymentHandle[Any]],
         model_id: str,
@@ -254,9 +254,9 @@ class Ingress:
             opts.max_attempts,
             opts.max_migrations,
         )
-        self.router = router
+        self.routers = routers  # a shard's each (serving.router_shards)
         listener = f"{serve.get_replica_context().replica_id.unique_id}-{secrets.token_hex(4)}"
-        self.dispatcher = Dispatcher(router, NodeGroups(prefill), NodeGroups(decode), limits, self.metrics, listener)
+        self.dispatcher = Dispatcher(routers, NodeGroups(prefill), NodeGroups(decode), limits, self.metrics, listener)
         self._state: tuple[float, asyncio.Future[dict[str, Any]]] | None = None  # the last live view and when
 
     # ---- plain endpoints -------------------------------------------------------------------
@@ -316,7 +316,8 @@ class Ingress:
         now = time.monotonic()
         last = self._state
         if last is None or now - last[0] >= self.opts.state_refresh_s or _failed(last[1]):
-            last = self._state = (now, asyncio.ensure_future(live_state(self.router, self.metrics.window)))
+            router = self.routers[self.dispatcher.decisions.live()[0]]  # a live shard: each has every node's state
+            last = self._state = (now, asyncio.ensure_future(live_state(router, self.metrics.window)))
         try:
             return JSONResponse(await asyncio.shield(last[1]))
         except Exception as exc:  # whatever keeps the router from answering

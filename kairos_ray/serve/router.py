@@ -70,6 +70,7 @@ from kairos_ray.core import (
     node_after,
     with_nodes,
 )
+from kairos_ray.core.shards import Owners
 from kairos_ray.heap import freeze_startup_heap
 from kairos_ray.messages import (
     DecisionRequest,
@@ -126,8 +127,14 @@ class RouterState:
         pending_ttl_s: float = 2.0,
         node_timeout_s: float = 5.0,
         handoff_ttl_s: float = RouterOptions.handoff_ttl_s,
+        shard: int = 0,
+        shards: int = 1,
     ) -> None:
+        """``shard`` of ``shards``: this router decides on the decode nodes it owns (``core.shards``); it keeps
+        every node's report, so that it can take over a dead shard's at once."""
         self.policy = policy
+        self.shard, self.shards = shard, tuple(range(shards))
+        self._owners = Owners()
         self.pending_ttl_s, self.node_timeout_s, self.handoff_ttl_s = pending_ttl_s, node_timeout_s, handoff_ttl_s
         self.states: dict[str, NodeState] = {}  # node id -> its last report
         self.received: dict[str, float] = {}  # node id -> monotonic time of its last report
@@ -208,6 +215,7 @@ class RouterState:
         are re-decided elsewhere)."""
         self.states.pop(node, None)
         self.received.pop(node, None)
+        self._owners.forget(node)
         self._drop_cache(node)
         for rid in list(self._pending_at.pop(node, {})):
             self._drop(rid)
@@ -288,11 +296,16 @@ class RouterState:
             self._stale = set()
         return self._view
 
-    def view(self, now: float, avoid: Collection[str] = ()) -> tuple[ClusterView, float]:
-        """(view, staleness in seconds of the oldest report in it), without the nodes in ``avoid``."""
+    def view(self, now: float, avoid: Collection[str] = (), live: tuple[int, ...] = ()) -> tuple[ClusterView, float]:
+        """(view, staleness in seconds of the oldest report in it), without the nodes in ``avoid``, and, with
+        shards, with the decode nodes this shard owns while the shards ``live`` names (default: all) are."""
         self.forget_silent_nodes(now)
         self.expire(now)
         view = self._current()
+        if len(self.shards) > 1:
+            alive = tuple(sorted({*(live or self.shards), self.shard}))  # asked, this shard is alive
+            owner, me = self._owners.of, self.shard
+            view = ClusterView(view.prefill, tuple(v for v in view.decode if owner(v.node_id, alive) == me))
         if avoid:
             view = ClusterView(
                 tuple(v for v in view.prefill if v.node_id not in avoid),
@@ -313,15 +326,17 @@ class RouterState:
         priority: int = 0,
         sheddable: bool = True,
         held_on: str = "",
+        live: tuple[int, ...] = (),
     ) -> tuple[Decision, float]:
         """(decision, staleness) on the nodes not in ``avoid``; raises ``MissingState`` while a pool has none.
 
         ``block_ids``: the prompt's block hashes per block size, for the nodes' cached prefixes (``hits``; node
         ``held_on`` holds every block a hit may count);
         ``priority``: vLLM's, which admission sheds by; a request not ``sheddable`` (the retry of an admitted
-        one) is admitted whatever admission says. A shed request leaves the ledger as it was.
+        one) is admitted whatever admission says; ``live``: the shards the asker deems live (``view``). A shed
+        request leaves the ledger as it was.
         """
-        view, staleness = self.view(now, avoid)
+        view, staleness = self.view(now, avoid, live)
         hits = self.hits(block_ids or {}, prompt_tokens, held_on)
         decision = self.policy.decide(prompt_tokens, view, hits, priority, output_tokens)
         if decision.shed and not sheddable:
@@ -396,7 +411,9 @@ class RouterActor:
             group: StepLatencyModel.load(resolve_profile(profile)) for group, profile in options.group_profiles
         }
         policy = self.config.build_policy(model=self.model, hardware=self.hardware)
-        self.state = RouterState(policy, handoff_ttl_s=options.handoff_ttl_s)
+        self.state = RouterState(
+            policy, handoff_ttl_s=options.handoff_ttl_s, shard=options.shard, shards=options.shards
+        )
         self.metrics = RouterMetrics()
         self.refit = OnlineRefit(options.refit_every_steps) if options.refit_every_steps else None
         every = options.refit_every_steps
@@ -441,6 +458,7 @@ class RouterActor:
                     r.priority,
                     r.sheddable,
                     r.held_on,
+                    r.shards,
                 )
             except MissingState as exc:
                 replies.append(RoutingReply.fallback_for(str(exc)))
@@ -555,7 +573,8 @@ class RouterActor:
         now = time.monotonic()
         self.state.forget_silent_nodes(now)
         self.state.expire(now)
-        return Residue("router", self.state.residue())
+        shard = self.state.shard
+        return Residue("router" if shard == 0 else f"router-{shard}", self.state.residue())
 
 
 @serve.deployment(

@@ -23,6 +23,10 @@ class RouterOptions:
     """Count a prefill-routed request on its decode node until that node takes it, or this long."""
     tcp_line: bool = True
     """Take decisions and reports on a TCP line (``serve.wire``) besides Ray actor calls."""
+    shard: int = 0
+    """This router's shard number (``serving.router_shards``; ``core.shards``)."""
+    shards: int = 1
+    """How many router shards the app runs: each decides on the decode nodes it owns among the live ones."""
     group_profiles: tuple[tuple[str, str], ...] = ()
     """(node group name, step-latency profile) of each node group with a profile of its own (``PoolConfig.profile``):
     the router prices those nodes with it; the others with the predictor's."""

@@ -183,7 +183,7 @@ class FakeCluster:
         self.second = FakeDecodePool(second_decode_group)
         decode = [self.decode, self.second] if second_decode_group else [self.decode]
         pools = NodeGroups([self.prefill]), NodeGroups(decode)  # type: ignore[arg-type, list-item]
-        self.dispatcher = Dispatcher(self.router, *pools, limits, IngressMetrics(), "ingress-1")  # type: ignore[arg-type]
+        self.dispatcher = Dispatcher([self.router], *pools, limits, IngressMetrics(), "ingress-1")  # type: ignore[list-item]
 
 
 def request(request_id: int = 1, prompt_tokens: int = 64, max_tokens: int = 4, **fields: Any) -> EngineRequest:

@@ -9,14 +9,16 @@ from kairos_ray.core import Admission, Decision, Route, ShedReason
 from kairos_ray.messages import DecisionRequest, RoutingReply
 from kairos_ray.serve.dispatch import (
     PROMPTS_HASHED_KEPT,
+    SHARD_DOWN_S,
     DecisionBatcher,
     RequestFailed,
+    RouterShards,
     ServingLimits,
     Shed,
     StreamBroken,
     migration_blocker,
 )
-from tests.serve.fakes import LIMITS, FakeCluster, deflect_to, hand_off, request, until
+from tests.serve.fakes import LIMITS, FakeCluster, FakeRouter, Remote, deflect_to, hand_off, request, until
 
 
 def run(scenario):
@@ -379,3 +381,42 @@ def test_a_request_with_prompt_logprobs_is_priced_cache_blind_and_its_migration_
         assert sampling.prompt_logprobs == 2  # the first run's own parameters are left as they are
 
     run(scenario)
+
+
+def test_router_shards_take_requests_in_turn_and_leave_a_dead_or_hung_shard_to_the_others():
+    def dead(requests):
+        raise RuntimeError("the shard's actor died")
+
+    async def scenario():
+        shards = [FakeRouter(deflect_to("decode-a")), FakeRouter(deflect_to("decode-b"))]
+        now = [0.0]
+        decisions = RouterShards(shards, timeout_s=5.0, clock=lambda: now[0])  # type: ignore[list-item]
+
+        async def nodes(first_id, count, timeout_s=5.0):
+            asks = [decisions.decide(DecisionRequest(first_id + i, 100, 4), timeout_s) for i in range(count)]
+            return [(await ask).decision.decode_node for ask in asks]
+
+        both = await nodes(0, 4)
+        shards[1].decide_many = died = Remote(dead)
+        without_1 = await nodes(10, 4)  # shard 1's turn comes: it fails, shard 0 answers, then alone
+        left_out = decisions.live()
+        now[0] += SHARD_DOWN_S  # after that, shard 1 is asked again: hung now
+        shards[1].decide_many = stuck = Remote(lambda requests: asyncio.get_running_loop().create_future())
+        start = asyncio.get_running_loop().time()
+        hung = await nodes(20, 2, timeout_s=0.4)
+        waited = asyncio.get_running_loop().time() - start
+        asked_1 = [[r.request_id for r in args[0]] for calls in (died.calls, stuck.calls) for args, _ in calls]
+        return shards, both, without_1, left_out, hung, waited, asked_1
+
+    shards, both, without_1, left_out, hung, waited, asked_1 = run(scenario)
+    assert both == ["decode-a", "decode-b", "decode-a", "decode-b"]  # in turn
+    assert without_1 == ["decode-a"] * 4 and left_out == (0,)
+    assert [r.shards for r in shards[0].asked[:2]] == [(0, 1), (0, 1)]  # each names the shards it deems live
+    assert [(r.request_id, r.shards) for r in shards[0].asked[2:6]] == [
+        (10, (0, 1)),
+        (11, (0,)),
+        (12, (0,)),
+        (13, (0,)),
+    ]
+    assert hung == ["decode-a", "decode-a"] and 0.15 < waited < 0.4  # half the deadline on the hung shard, once
+    assert [r.request_id for r in shards[1].asked] == [1, 3] and asked_1 == [[11], [21]]  # then left out each time

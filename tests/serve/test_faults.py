@@ -3,7 +3,7 @@
 The app deflects prompts of up to 2,000 tokens (``sl:2000``) and disaggregates
 longer ones, so each test picks its route by the prompt's length. Deadlines
 are short so that a fault shows within seconds. A second application on the
-same Serve instance requires an API key.
+same Serve instance requires an API key and runs two router shards.
 """
 
 import asyncio
@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -50,9 +51,10 @@ def app():
     args["decode_config"]["deployment_config"]["name"] = DECODERS  # the faults find a pool by its nodes, not its name
     with running_app(args, MODEL, ready_within_s=120) as (url, metrics_url):
         # a second app: tenant and admin keys, no routing shown to tenants, no migration
-        secured = app_args(
-            api_keys=[KEY], admin_api_keys=[ADMIN], expose_routing=False, api_docs=True, max_migrations=0
-        )
+        secured = app_args(  # and two router shards
+            api_keys=[KEY], admin_api_keys=[ADMIN], expose_routing=False, api_docs=True, max_migrations=0,
+            router_shards=2,
+        )  # fmt: skip
         serve.run(build_app(secured), name="secured", route_prefix="/secured")
         yield url, metrics_url
 
@@ -533,3 +535,38 @@ def test_every_per_request_structure_is_empty_once_idle_however_its_requests_end
 
     wait_until(lambda: idle(node_states()), what="an idle app again")
     assert len(wait_for_no_residue()) == 6  # the ingress, the router and the four nodes were all asked
+
+
+def test_a_router_shard_killed_under_load_loses_no_request_and_the_other_shard_decides_at_once(app):
+    url, _ = app
+    body = {"model": MODEL, "prompt": list(range(300)), "max_tokens": 8}
+    wait_until(lambda: secured_post(url, body, ADMIN).headers.get("x-kairos-fallback") == "0", what="decisions")
+    pid = faults.replica_pid(faults.router_actor("secured", "Router-1"))
+    sent: list[tuple[float, httpx.Response]] = []
+
+    def load(stop: float) -> None:  # a request at a time per thread, until ``stop``
+        while time.monotonic() < stop:
+            sent.append((time.monotonic(), secured_post(url, body, ADMIN)))
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(load, start + 20) for _ in range(4)]
+        wait_until(lambda: len(sent) >= 8, what="requests under way")
+        killed = time.monotonic()
+        faults.kill_replica("secured", "Router-1")  # its actor goes with it; Serve starts a new replica
+        for thread in running:
+            thread.result()
+    assert len(sent) > 20 and [r.status_code for _, r in sent] == [200] * len(sent)  # none lost
+    after = sorted((t, r.headers["x-kairos-fallback"]) for t, r in sent if t > killed)
+    decided = [t for t, fallback in after if fallback == "0"]
+    assert decided and decided[0] - killed < 15  # the other shard decides (recovery within the chaos table's bound)
+    assert [fallback for t, fallback in after if t > decided[0] + 2].count("1") == 0  # and goes on deciding
+    states = serve.get_deployment_handle("Router", app_name="secured").snapshot.remote().result()
+    assert sum(s.role is Role.DECODE for s in states.values()) == 2  # shard 0 has every node's state
+
+    def replaced() -> bool:
+        with contextlib.suppress(Exception):  # no replica yet
+            return faults.replica_pid(faults.router_actor("secured", "Router-1")) != pid
+        return False
+
+    wait_until(replaced, timeout_s=180, what="a new Router-1 replica")

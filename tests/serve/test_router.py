@@ -267,3 +267,26 @@ def test_a_shed_request_leaves_the_ledger_as_it_was_and_a_retry_is_never_shed():
     decision, _ = router.decide(1, 500, 10, now=0.2, sheddable=False)  # its retry, once admitted
     assert not decision.shed and decision.admission.admitted
     assert router.view(now=0.2)[0].prefill[0].queued_prompt_tokens == (60_000, 500)
+
+
+def test_a_router_shard_decides_on_its_own_decode_nodes_and_takes_a_dead_shards_over():
+    from kairos_ray.core.shards import owner
+
+    shards = [RouterState(KairosConfig().build_policy("kairos"), shard=s, shards=2) for s in (0, 1)]
+    nodes = [f"decode-{i:02d}" for i in range(12)]
+    for router in shards:  # every shard takes every node's reports
+        router.report(prefill_state("p0", [30_000]), now=0.0)  # a long queue: requests go to the decode nodes
+        for node in nodes:
+            router.report(decode_state(node), now=0.0)
+    owned = {s: {n for n in nodes if owner(n, (0, 1)) == s} for s in (0, 1)}
+    assert owned[0] and owned[1]
+    for s, router in enumerate(shards):
+        view, _ = router.view(now=0.1)
+        assert [v.node_id for v in view.prefill] == ["p0"]  # the prefill nodes are every shard's
+        assert {v.node_id for v in view.decode} == owned[s]
+        for rid in range(6):
+            assert router.decide(rid, 4_000, 16, now=0.1)[0].decode_node in owned[s]
+    # shard 1 died: the requests that name shard 0 alone are decided on every decode node
+    view, _ = shards[0].view(now=0.2, live=(0,))
+    assert {v.node_id for v in view.decode} == set(nodes)
+    assert shards[1].view(now=0.2, live=(0,))[0].decode == shards[1].view(now=0.2)[0].decode  # asked: it is live
