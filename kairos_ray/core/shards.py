@@ -4,12 +4,14 @@ The paper's router is central; a fleet of hundreds of decode nodes may divide
 them among S router shards. Each shard decides on every prefill node (their
 view is shared) and on its own decode nodes only, with its own exact ledger,
 so Algorithm 1 runs unchanged on a smaller cluster. A node's owner is chosen
-by rendezvous (highest random weight) hashing of its id over the live shards:
-every process computes the same owner from the node id and the set of live
-shards alone, nodes spread evenly, and when a shard dies only its nodes move,
-each to the live shard that ranks it next. Requests go to the shards that own
-nodes in turn, so each sees an equal share of the traffic for an (about)
-equal share of the nodes.
+by dealing the nodes, in the order of a hash of their ids, to the live shards
+in turn (``assign``): every process computes the same owners from the node
+ids and the set of live shards alone, and every shard owns an equal share of
+the nodes (one more or less), so a fleet of as many nodes as shards leaves no
+shard without one. When a shard dies, or a node comes or goes, owners are
+dealt again: every shard keeps every node's state, so a node that changes
+shard brings nothing along. Requests go to the shards in turn, so each sees
+an equal share of the traffic for an equal share of the nodes.
 
 A shard cannot see a better node in another shard: ``kept_from_better``
 tells, for one request, whether the decision over the whole fleet would have
@@ -26,42 +28,20 @@ from kairos_ray.core.state import Decision
 TIE_S = 1e-9  # estimated first tokens closer than this are the same (float noise of the same node's price)
 
 
-def _weight(node_id: str, shard: int) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{shard}/{node_id}".encode(), digest_size=8).digest(), "big")
+def _rank(node_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(node_id.encode(), digest_size=8).digest(), "big")
 
 
-def owner(node_id: str, shards: Iterable[int]) -> int:
-    """The shard among ``shards`` (the live ones' numbers) that owns the decode node ``node_id``."""
-    return max(shards, key=lambda shard: (_weight(node_id, shard), shard))
-
-
-def owned(node_ids: Iterable[str], shard: int, shards: Iterable[int]) -> list[str]:
-    """The nodes of ``node_ids`` that ``shard`` owns while ``shards`` are live, in their order."""
-    live = tuple(shards)
-    return [node for node in node_ids if owner(node, live) == shard]
-
-
-class Owners:
-    """``owner`` remembered per node and live set (a node's owner changes only when the live shards do), for a
-    router that filters its view by it on every decision."""
-
-    def __init__(self) -> None:
-        self._by_live: dict[tuple[int, ...], dict[str, int]] = {}
-
-    def of(self, node_id: str, live: tuple[int, ...]) -> int:
-        """``owner(node_id, live)``; ``live`` sorted."""
-        known = self._by_live.get(live)
-        if known is None:
-            known = self._by_live[live] = {}
-        shard = known.get(node_id)
-        if shard is None:
-            shard = known[node_id] = owner(node_id, live)
-        return shard
-
-    def forget(self, node_id: str) -> None:
-        """A node left: its entries go (nothing grows with the nodes that came and went)."""
-        for known in self._by_live.values():
-            known.pop(node_id, None)
+def assign(node_ids: Iterable[str], shards: Iterable[int]) -> dict[str, int]:
+    """Each decode node's shard among ``shards`` (the live ones' numbers): the nodes in the order of a hash of
+    their ids, dealt to the shards in turn, so every shard owns N / S nodes, rounded either way (none is left
+    without a node while there are as many nodes as shards), and every process given the same nodes and live
+    shards computes the same owners."""
+    live = sorted(shards)
+    if not live:
+        raise ValueError("no live shard")
+    ordered = sorted(node_ids, key=lambda node: (_rank(node), node))
+    return {node: live[i % len(live)] for i, node in enumerate(ordered)}
 
 
 def shard_for(sequence: int, shards: Sequence[int]) -> int:

