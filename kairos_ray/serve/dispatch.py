@@ -240,12 +240,17 @@ class RouterShards:
     """
 
     def __init__(
-        self, routers: Sequence[DeploymentHandle[Any]], timeout_s: float, clock: Callable[[], float] = time.monotonic
+        self,
+        routers: Sequence[DeploymentHandle[Any]],
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        left_out: Callable[[int], None] = lambda shard: None,
     ) -> None:
+        """``left_out(shard)`` runs each time a shard is left out (the ingress counts it, per shard)."""
         if not routers:
             raise ValueError("an app has at least one router shard")
         self.batchers = [DecisionBatcher(RouterLink(router), timeout_s) for router in routers]
-        self.clock = clock
+        self.clock, self.left_out = clock, left_out
         self._down_until = [0.0] * len(routers)  # monotonic time until which each shard is left out
         self._sequence = 0
 
@@ -282,6 +287,7 @@ class RouterShards:
                 return reply
             except Exception:  # dead (its link fails) or hung (its time passed); a caller that left is not one
                 self._down_until[shard] = self.clock() + SHARD_DOWN_S
+                self.left_out(shard)
                 if not others:
                     raise
                 live, shard = tuple(others), others[0]
@@ -306,7 +312,10 @@ class Dispatcher:
     ) -> None:
         self.prefill, self.decode = prefill, decode
         self.mux = TokenMux(decode, listener)  # tokens arrive over one subscription per decode node
-        self.decisions = RouterShards(routers, limits.decision_timeout_s)
+        failovers = metrics.shard_failovers
+        self.decisions = RouterShards(
+            routers, limits.decision_timeout_s, left_out=lambda shard: failovers.inc(tags={"shard": str(shard)})
+        )
         self.decisions.prefetch()  # the replica is starting: its first decision finds the handles and the lines
         self.limits = limits
         self.metrics = metrics

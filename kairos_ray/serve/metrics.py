@@ -165,6 +165,9 @@ class IngressMetrics:
         )
         self.retries = Counter("kairos_retries", "requests re-run after a node failed", tag_keys=("stage",))
         self.deadlines = Counter("kairos_deadlines", "requests ended by a deadline", tag_keys=("deadline",))
+        self.shard_failovers = Counter(
+            "kairos_router_shard_failovers", "router shards left out after failing a decision", tag_keys=("shard",)
+        )
 
     def shed(self, reason: str, priority: int) -> None:
         """A request admission shed, by its reason and priority class."""

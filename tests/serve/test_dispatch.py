@@ -389,8 +389,8 @@ def test_router_shards_take_requests_in_turn_and_leave_a_dead_or_hung_shard_to_t
 
     async def scenario():
         shards = [FakeRouter(deflect_to("decode-a")), FakeRouter(deflect_to("decode-b"))]
-        now = [0.0]
-        decisions = RouterShards(shards, timeout_s=5.0, clock=lambda: now[0])  # type: ignore[list-item]
+        now, failed = [0.0], []
+        decisions = RouterShards(shards, timeout_s=5.0, clock=lambda: now[0], left_out=failed.append)  # type: ignore[list-item]
 
         async def nodes(first_id, count, timeout_s=5.0):
             asks = [decisions.decide(DecisionRequest(first_id + i, 100, 4), timeout_s) for i in range(count)]
@@ -406,9 +406,11 @@ def test_router_shards_take_requests_in_turn_and_leave_a_dead_or_hung_shard_to_t
         hung = await nodes(20, 2, timeout_s=0.4)
         waited = asyncio.get_running_loop().time() - start
         asked_1 = [[r.request_id for r in args[0]] for calls in (died.calls, stuck.calls) for args, _ in calls]
-        return shards, both, without_1, left_out, hung, waited, asked_1
+        counted = list(failed)
+        return shards, both, without_1, left_out, hung, waited, asked_1, counted
 
-    shards, both, without_1, left_out, hung, waited, asked_1 = run(scenario)
+    shards, both, without_1, left_out, hung, waited, asked_1, counted = run(scenario)
+    assert counted == [1, 1]  # each time a shard was left out (the ingress's kairos_router_shard_failovers)
     assert both == ["decode-a", "decode-b", "decode-a", "decode-b"]  # in turn
     assert without_1 == ["decode-a"] * 4 and left_out == (0,)
     assert [r.shards for r in shards[0].asked[:2]] == [(0, 1), (0, 1)]  # each names the shards it deems live

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,7 @@ from kairos_ray.messages import Role
 from kairos_ray.serve import build_app
 
 from .bodies import BODIES
-from .conftest import MODEL, app_args, running_app, wait_for_no_residue
+from .conftest import MODEL, app_args, running_app, wait_for_no_residue, wait_for_series
 
 pytestmark = pytest.mark.ray
 
@@ -538,7 +539,7 @@ def test_every_per_request_structure_is_empty_once_idle_however_its_requests_end
 
 
 def test_a_router_shard_killed_under_load_loses_no_request_and_the_other_shard_decides_at_once(app):
-    url, _ = app
+    url, metrics_url = app
     body = {"model": MODEL, "prompt": list(range(300)), "max_tokens": 8}
     wait_until(lambda: secured_post(url, body, ADMIN).headers.get("x-kairos-fallback") == "0", what="decisions")
     pid = faults.replica_pid(faults.router_actor("secured", "Router-1"))
@@ -571,3 +572,5 @@ def test_a_router_shard_killed_under_load_loses_no_request_and_the_other_shard_d
         return False
 
     wait_until(replaced, timeout_s=180, what="a new Router-1 replica")
+    text = wait_for_series(metrics_url, ["ray_kairos_router_shard_failovers"])  # the ingress counted leaving it out
+    assert re.search(r'ray_kairos_router_shard_failovers(_total)?\{[^}]*shard="1"[^}]*\} [1-9]', text), text[-2000:]
