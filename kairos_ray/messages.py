@@ -242,7 +242,7 @@ class DecisionRequest:
     # is every block a hit may count, whether or not its prefix-cache report has come in ("": none known)
     held_on: str = ""
     # router shards (``serving.router_shards``): the shards the asker deems live; the shard asked decides on the
-    # decode nodes it owns among them (``core.shards.owner``), taking over a dead shard's. (): one router, or all live
+    # decode nodes it owns among them (``core.shards.assign``), taking over a dead shard's. (): one router, or all live
     shards: tuple[int, ...] = ()
 
 

@@ -15,7 +15,6 @@ from kairos_ray.serve.args import AppArgs, PoolConfig, router_names
 from kairos_ray.serve.engine_server import EngineServer
 from kairos_ray.serve.ingress import Ingress
 from kairos_ray.serve.router import Router
-from kairos_ray.serve.types import RouterOptions
 
 CLUSTER_ENV = {
     "RAY_SERVE_PROXY_USE_GRPC": "1",
@@ -89,9 +88,7 @@ def pool_options(role: Role, pool: PoolConfig, kairos: KairosConfig, group: int 
     return options
 
 
-def _groups(
-    role: Role, args: AppArgs, routers: list[Application], app_secret: bytes, router_options: RouterOptions
-) -> list[Application]:
+def _groups(role: Role, args: AppArgs, routers: list[Application], app_secret: bytes) -> list[Application]:
     """A deployment per node group of the role; its replicas get the validated sections themselves, not dicts to
     validate again."""
     kairos, serving = args.kairos, args.serving
@@ -101,10 +98,9 @@ def _groups(
         if pool.engine == "vllm" and pool.placement().gpu:  # vLLM's workers go into the GPU bundles, as Serve LLM's
             kwargs = {"distributed_executor_backend": "ray", **pool.engine_kwargs}
             pool = pool.model_copy(update={"engine_kwargs": kwargs})
-        node = NodeId(role, "", group)
-        profile = router_options.profile_of(node.group_name) or kairos.predictor.profile
+        profile = pool.profile or kairos.predictor.profile
         server = _deployment(EngineServer).options(**options)
-        apps.append(server.bind(node, kairos, serving, routers, pool, profile, app_secret))
+        apps.append(server.bind(NodeId(role, "", group), kairos, serving, routers, pool, profile, app_secret))
     return apps
 
 
@@ -131,8 +127,8 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         ingress = ingress.options(**args.ingress_deployment_config)
     return ingress.bind(
         routers,
-        _groups(Role.PREFILL, args, routers, secret, router_options),
-        _groups(Role.DECODE, args, routers, secret, router_options),
+        _groups(Role.PREFILL, args, routers, secret),
+        _groups(Role.DECODE, args, routers, secret),
         decode.model_loading_config.model_id,
         serving,
         kairos.slo,

@@ -286,8 +286,9 @@ class RouterShards:
                     raise LookupError(f"router shard {shard} cannot decide yet: {reply.decision.reason}")
                 return reply
             except Exception:  # dead (its link fails) or hung (its time passed); a caller that left is not one
-                self._down_until[shard] = self.clock() + SHARD_DOWN_S
-                self.left_out(shard)
+                if sharded:  # one router has no other to leave its requests to
+                    self._down_until[shard] = self.clock() + SHARD_DOWN_S
+                    self.left_out(shard)
                 if not others:
                     raise
                 live, shard = tuple(others), others[0]

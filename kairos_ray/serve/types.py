@@ -30,7 +30,3 @@ class RouterOptions:
     group_profiles: tuple[tuple[str, str], ...] = ()
     """(node group name, step-latency profile) of each node group with a profile of its own (``PoolConfig.profile``):
     the router prices those nodes with it; the others with the predictor's."""
-
-    def profile_of(self, group_name: str) -> str | None:
-        """The profile of the node group ``group_name`` (``messages.NodeId.group_name``), if it has its own."""
-        return dict(self.group_profiles).get(group_name)

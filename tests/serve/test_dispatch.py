@@ -432,9 +432,15 @@ def test_a_router_shard_that_cannot_decide_yet_is_left_to_the_others_and_a_lone_
         )
         shards = RouterShards([ready, starting], timeout_s=5.0)  # type: ignore[list-item]
         both = [(await shards.decide(DecisionRequest(i, 100, 4), 5.0)).decision.decode_node for i in range(4)]
-        alone = RouterShards([starting], timeout_s=5.0)  # type: ignore[list-item]
-        return both, (await alone.decide(DecisionRequest(9, 100, 4), 5.0)).fallback, shards.live()
+        counted: list[int] = []
+        alone = RouterShards([starting], timeout_s=5.0, left_out=counted.append)  # type: ignore[list-item]
+        fell_back = (await alone.decide(DecisionRequest(9, 100, 4), 5.0)).fallback
+        starting.decide_many = Remote(lambda requests: 1 / 0)  # the lone router fails: its caller falls back
+        with pytest.raises(ZeroDivisionError):
+            await alone.decide(DecisionRequest(10, 100, 4), 5.0)
+        return both, fell_back, shards.live(), counted
 
-    both, fell_back, live = run(scenario)
+    both, fell_back, live, counted = run(scenario)
     assert both == ["decode-a"] * 4 and live == (0,)  # the new shard is asked again after SHARD_DOWN_S
     assert fell_back  # one router that cannot decide: plain disaggregation, as before
+    assert counted == []  # and one router is never counted as a shard left out
