@@ -29,9 +29,11 @@ The index keeps each model's nodes in blocks by (x, W), each block with its
 least W (``SortedBlocks``). A search sweeps the node of least W (least x among
 them), then reads the blocks in order of x: it stops at a block whose E(first x)
 exceeds the best TTFT found, passes over one whose E(first x) + least W does,
-and sweeps a node only when W + E(x) does not (first against its own LB when
-K counts beyond x). Nodes whose cache holds part of the prompt are priced
-directly.
+and within a block passes over a node when W plus the line below E from its
+last evaluation exceeds the best, and sweeps it otherwise (first against its
+own LB when K counts beyond x): the sweep stops once past the best, so it
+costs about what evaluating E there would. Nodes whose cache holds part of
+the prompt are priced directly.
 
 Prefill nodes (Eq. 1-2). A node's queue wait does not depend on the request,
 so among nodes that hold none of the prompt the fastest is the one with the

@@ -533,7 +533,7 @@ class _BasePolicy:
                 for (x, wait_s), position in block:
                     if best is not None:
                         limit_s = best.ttft_s / (1 - SAFETY) - wait_s
-                        if floor.below(x) > limit_s or floor.at(x) > limit_s:
+                        if floor.below(x) > limit_s:
                             continue
                     entry = entries[position]
                     alike = (wait_s, entry.batch_size, entry.kv_tokens)
