@@ -24,7 +24,10 @@ Growth is the least-squares slope of RSS (and of FDs) over the samples of the
 measured window, the run after ``--skip-s`` of warm-up: against time (per
 hour) and against requests answered (per 1,000 requests), which, unlike the
 end minus the start, a single spike or a collection at the wrong moment does
-not swing. With ``--fault-every-s`` the faults of ``kairos chaos`` are
+not swing. A replacement warms up as the first process did (imports, its
+caches filling up to their bound), so its growth is measured from ``--skip-s``
+after it was first seen; one younger than that at the end is measured over
+what it has, its warm-up included, and the row says so. With ``--fault-every-s`` the faults of ``kairos chaos`` are
 injected in turn, each once the router's view is whole again. It runs on the
 app's host, connected to its Ray cluster.
 """
@@ -257,13 +260,18 @@ class ProcessRow:
     ended_s: float | None  # when it was found gone
     replaces: str | None
     replaced_by: str | None
+    warm_up_included: bool = False  # a replacement younger than the warm-up: measured over all it has in the window
 
 
 def process_rows(tracker: Tracker, skip_s: float) -> list[ProcessRow]:
-    """A row per process sampled in the window (the run after ``skip_s``), by role, then as they came."""
+    """A row per process sampled in the window (the run after ``skip_s``), by role, then as they came; a
+    replacement's from ``skip_s`` after it was first seen, where it has two samples from then."""
     rows = []
     for p in tracker.processes.values():
         window = p.samples.since(skip_s)
+        warm = p.samples.since(p.first_s + skip_s) if p.replaces is not None else window
+        young = len(warm) < 2
+        window = window if young else warm
         if not window:
             continue
         rss = growth(window, lambda s: s.rss_bytes / MIB)
@@ -274,7 +282,7 @@ def process_rows(tracker: Tracker, skip_s: float) -> list[ProcessRow]:
                 p.label, p.role, p.pid, first.t_s, last.t_s,
                 first.rss_bytes / MIB, last.rss_bytes / MIB, rss.per_hour, rss.per_1k_requests,
                 first.num_fds, last.num_fds, fds.per_hour, fds.per_1k_requests,
-                p.first_s, p.ended_s, p.replaces, p.replaced_by,
+                p.first_s, p.ended_s, p.replaces, p.replaced_by, young and p.replaces is not None,
             )
         )  # fmt: skip
     return sorted(rows, key=lambda r: (r.role, r.started_s, r.label))
@@ -608,6 +616,8 @@ def _note(row: ProcessRow) -> str:
     notes = []
     if row.replaces is not None:
         notes.append(f"replaces {row.replaces} (from {row.started_s:.1f} s)")
+        if row.warm_up_included:
+            notes.append("its warm-up included (younger than --skip-s)")
     if row.ended_s is not None:
         gone = f"replaced by {row.replaced_by}" if row.replaced_by is not None else "gone"
         notes.append(f"{gone} at {row.ended_s:.1f} s")

@@ -11,7 +11,7 @@ import pytest
 
 from kairos_ray import cli
 from kairos_ray.bench.chaos import streamed_answer
-from kairos_ray.bench.soak import MIB, Found, Sample, Samples, Tally, Tracker, arrivals, growth, process_rows
+from kairos_ray.bench.soak import MIB, Found, Sample, Samples, Tally, Tracker, _note, arrivals, growth, process_rows
 from tests.test_cli import kairos
 
 pytestmark = pytest.mark.ray
@@ -92,6 +92,34 @@ def test_a_replaced_process_is_split_from_its_replacement_not_counted_as_growth(
         "router-actor#r1",
         75,
     )
+
+
+def test_a_replacement_s_own_warm_up_is_left_out_and_a_young_one_says_it_is_in():
+    tracker = Tracker()
+
+    def warming(born: float, t: float) -> float:
+        return 250 + 100 * min(t - born, 300) / 300  # imports and caches filling for 300 s, flat after
+
+    def processes(t):
+        alive = {}
+        if t < 1200:
+            alive["decode#a", "decode", 2] = (warming(0, t), 20)
+        if t >= 1205:  # replaced at 1,200 s: an hour-long soak measures it from 1,805 s
+            alive["decode#b", "decode", 3] = (warming(1205, t), 20)
+        if t < 3300:
+            alive["prefill#a", "prefill", 4] = (warming(0, t), 20)
+        if t >= 3305:  # replaced 5 minutes before the end: younger than the warm-up
+            alive["prefill#b", "prefill", 5] = (warming(3305, t), 20)
+        return alive
+
+    observe_all(tracker, range(0, 3601, 5), processes)
+    rows = {r.label: r for r in process_rows(tracker, skip_s=600)}
+    settled, young = rows["decode#b"], rows["prefill#b"]
+    assert settled.first_s == 1805 and settled.rss_mib_per_hour == pytest.approx(0, abs=1e-6)
+    assert not settled.warm_up_included and "warm-up" not in _note(settled)
+    assert young.first_s == 3305 and young.rss_mib_per_hour > 1000  # 100 MiB over its 295 s, all warm-up
+    assert young.warm_up_included and "its warm-up included" in _note(young)
+    assert rows["decode#a"].rss_mib_per_hour == pytest.approx(0, abs=1e-6) and not rows["decode#a"].warm_up_included
 
 
 def test_the_first_discovery_finds_the_originals_however_late_it_comes():
