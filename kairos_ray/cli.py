@@ -590,11 +590,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="drive a running app for hours, with faults if asked; report whether its Serve processes grow",
         description="Drive a running Kairos app at a steady (Poisson) or bursty rate for --duration-s,\n"
         "with kairos chaos's faults in turn every --fault-every-s if asked, and sample the RSS\n"
-        "and open file descriptors of the app's Serve processes on this host (its replicas, the\n"
-        "router's actor, the Serve controller and proxy) every --sample-s.\n\n"
+        "and open file descriptors of the app's Serve processes on this host (its replicas, each\n"
+        "router shard's actor, the Serve controller and proxy) every --sample-s.\n\n"
         "Prints per process its RSS and FDs at the start and the end of the measured window (the\n"
         "run after --skip-s) and their least-squares growth per hour and per 1,000 requests; a\n"
-        "replica that a fault replaced is a new process, reported as replacing the old one. Then\n"
+        "replica that a fault replaced is a new process, reported as replacing the old one and\n"
+        "measured from --skip-s after it came (its own warm-up left out). Then\n"
         "the requests sent, completed, failed with a clean error (429s also counted apart: shed),\n"
         "hung and lost, as kairos chaos counts them. Run it on the app's host, connected to its\n"
         "Ray cluster.",

@@ -101,12 +101,17 @@ def router_actor(app: str, shard: str = "Router") -> Any:
     return deployment_handle(shard, app).handle.remote().result(timeout_s=60)
 
 
+def is_router_shard(deployment: str) -> bool:
+    """Whether a deployment of the app is one of its router shards (``Router``, ``Router-1``, ...)."""
+    return deployment == "Router" or (deployment.startswith("Router-") and deployment[7:].isdigit())
+
+
 def router_shards(app: str) -> list[str]:
     """The deployments of ``app``'s router shards that have a live replica (``Router``, ``Router-1``, ...)."""
     prefix = f"SERVE_REPLICA::{app}#"
     named = ray.util.list_named_actors(all_namespaces=True)
     names = {a["name"][len(prefix) :].split("#")[0] for a in named if a["name"].startswith(prefix)}
-    return sorted(n for n in names if n == "Router" or (n.startswith("Router-") and n[7:].isdigit()))
+    return sorted(n for n in names if is_router_shard(n))
 
 
 def residues(app: str, timeout_s: float = 30.0) -> list[Residue]:

@@ -150,7 +150,8 @@ class Found:
     """A serving process as discovery names it."""
 
     label: (
-        str  # "decode#ab12" (a replica), "router-actor#cd34" (of Router#cd34), "controller", "proxy", "proxy:haproxy"
+        str  # "decode#ab12" (a replica), "router-actor#cd34" (of Router#cd34; "router-actor-1#ef56" of Router-1#ef56),
+        # "controller", "proxy", "proxy:haproxy"
     )
     role: str  # what its replacement shares: the replica's deployment, else the label
     pid: int
@@ -362,7 +363,7 @@ class Finder:
         self.app = app
         self.here = ray.get_runtime_context().get_node_id()
         self._pids: dict[str, int | None] = {}  # actor name -> its pid (None: on another host)
-        self._routers: dict[str, int | None] = {}  # the Router replica's actor name -> the pid of its RouterActor
+        self._routers: dict[str, int | None] = {}  # a router shard replica's actor name -> the pid of its RouterActor
         self.elsewhere: set[str] = set()  # labels of processes on other hosts, not sampled
 
     def find(self) -> list[Found]:
@@ -400,11 +401,13 @@ class Finder:
                     found += [
                         Found(f"proxy:{c.name()}", f"proxy:{c.name()}", c.pid) for c in psutil.Process(pid).children()
                     ]
-            if role == "Router":
-                owned = f"router-actor#{label.split('#', 1)[1]}"  # named after the replica that owns it
-                actor_pid = self._pid(self._routers, name, functools.partial(faults.router_actor, self.app), owned)
+            if faults.is_router_shard(role):  # and the RouterActor the shard's replica owns
+                shard = role.removeprefix("Router")  # "" for the first, "-1", ...
+                owned = f"router-actor{shard}#{label.split('#', 1)[1]}"  # named after the replica that owns it
+                ask = functools.partial(faults.router_actor, self.app, role)
+                actor_pid = self._pid(self._routers, name, ask, owned)
                 if actor_pid is not None:
-                    found.append(Found(owned, "router-actor", actor_pid))
+                    found.append(Found(owned, f"router-actor{shard}", actor_pid))
         return found
 
     def _pid(self, asked: dict[str, int | None], name: str, actor: Callable[[], Any], label: str) -> int | None:

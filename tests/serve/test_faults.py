@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from ray import serve
 
 from kairos_ray.bench import faults
+from kairos_ray.bench.soak import Finder
 from kairos_ray.engines.emulated import token_id
 from kairos_ray.messages import Role
 from kairos_ray.serve import build_app
@@ -536,6 +537,22 @@ def test_every_per_request_structure_is_empty_once_idle_however_its_requests_end
 
     wait_until(lambda: idle(node_states()), what="an idle app again")
     assert len(wait_for_no_residue()) == 6  # the ingress, the router and the four nodes were all asked
+
+
+def test_a_soak_samples_every_router_shard_s_actor(app):
+    """``kairos soak`` finds each shard's RouterActor, each its own role (a replacement pairs with its shard's)."""
+
+    def both() -> list | None:
+        found = Finder("secured").find()  # a replica asked before it answers is asked again next time
+        return found if sum(x.role.startswith("router-actor") for x in found) == 2 else None
+
+    found = wait_until(both, what="both shards' actors found")
+    actors = {x.role: x for x in found if x.role.startswith("router-actor")}
+    assert set(actors) == {"router-actor", "router-actor-1"}
+    for role, shard in (("router-actor", "Router"), ("router-actor-1", "Router-1")):
+        assert actors[role].pid == faults.replica_pid(faults.router_actor("secured", shard))
+        assert actors[role].label.startswith(f"{role}#")
+    assert {x.role for x in found} >= {"Ingress", "Router", "Router-1", "prefill", "controller", "proxy"}
 
 
 def test_a_router_shard_killed_under_load_loses_no_request_and_the_other_shard_decides_at_once(app):
