@@ -18,10 +18,12 @@ LAYERS = ("ray", "vllm")
 
 
 def pytest_collection_modifyitems(items):
-    """Every test not marked ``ray`` or ``vllm`` (by its module's ``pytestmark``) is a ``unit`` test."""
+    """Every test not marked ``ray`` or ``vllm`` (by its module's ``pytestmark``) is a ``unit`` test; the tests
+    marked ``own_ray`` run first, so that the Ray the app modules share (``tests/shared_ray.py``) starts once."""
     for item in items:
         if not any(item.get_closest_marker(layer) for layer in LAYERS):
             item.add_marker(pytest.mark.unit)
+    items.sort(key=lambda item: item.get_closest_marker("own_ray") is None)  # stable: in file order otherwise
 
 
 @pytest.fixture(autouse=True)

@@ -1,20 +1,17 @@
 """``kairos soak``: the growth it computes (slopes, the warm-up, replaced processes) on synthetic samples, its
-counting of answers, its input errors, and a short soak with a replica kill against the emulated 2P2D app."""
+counting of answers and its input errors (a short soak with a replica kill runs on ``tests/serve/test_faults.py``'s
+app)."""
 
 import asyncio
 import itertools
-import json
 import math
 
 import httpx
 import pytest
 
-from kairos_ray import cli
 from kairos_ray.bench.chaos import streamed_answer
 from kairos_ray.bench.soak import MIB, Found, Sample, Samples, Tally, Tracker, _note, arrivals, growth, process_rows
 from tests.test_cli import kairos
-
-pytestmark = pytest.mark.ray
 
 HOUR_S = 3600.0
 
@@ -203,57 +200,3 @@ def test_arrivals_go_on_past_a_chunk_at_the_mean_rate(workload):
 def test_bad_input_is_a_message_not_a_traceback(args, message):
     result = kairos("soak", *args)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
-
-
-# ---- against a running app -----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def app_url():
-    from tests.serve.conftest import MODEL, app_args, running_app
-
-    with running_app(app_args(), MODEL, ready_within_s=180) as (url, _):
-        yield url
-
-
-def test_a_soak_with_a_replica_kill_finds_every_process_counts_every_request_and_the_replacement(
-    app_url, tmp_path, capsys
-):
-    report_path, plot_path = tmp_path / "soak.json", tmp_path / "soak.png"
-    code = cli.main(
-        ["soak", "--url", app_url, "--rps", "3", "--duration-s", "36", "--skip-s", "6", "--sample-s", "1",
-         "--fault-every-s", "18", "--faults", "decode-replica-kill", "--hang-s", "120",
-         "--json", str(report_path), "--plot", str(plot_path)]
-    )  # fmt: skip
-    printed = capsys.readouterr().out
-    assert code == 0
-    report = json.loads(report_path.read_text())
-    assert plot_path.read_bytes()[:4] == b"\x89PNG"
-
-    requests = report["requests"]
-    assert requests["sent"] > 0 and requests["completed"] > 0
-    assert requests["sent"] == sum(requests[o] for o in ("completed", "failed", "hung", "lost"))
-    assert requests["lost"] == requests["hung"] == 0
-    assert report["in_flight_after"] == 0
-    assert report["residue"] and not any(report["residue"])  # every process read, none holding anything
-
-    processes = report["processes"]
-    roles = {p["role"] for p in processes}
-    assert {"Ingress", "Router", "router-actor", "prefill", "decode", "controller", "proxy"} <= roles
-    assert all(p["rss_start_mib"] > 0 and p["fds_start"] > 0 for p in processes)
-    assert all(p["rss_mib_per_hour"] is not None for p in processes if p["last_s"] - p["first_s"] >= 2)
-
-    (fault,) = report["faults"]
-    assert report["num_faults"] == 1 and fault["fault"] == "decode-replica-kill"
-    killed = "decode#" + fault["note"].removeprefix("ray.kill decode-")
-    (old,) = [p for p in processes if p["label"] == killed]
-    assert old["ended_s"] is not None and old["replaced_by"] is not None
-    (new,) = [p for p in processes if p["label"] == old["replaced_by"]]
-    assert new["role"] == "decode" and new["replaces"] == killed and new["pid"] != old["pid"]
-    assert f"replaced by {new['label']}" in printed and f"replaces {killed}" in printed
-
-
-def test_an_app_that_is_not_there_is_named_with_the_ones_that_are(app_url, capsys):
-    code = cli.main(["soak", "--url", app_url, "--app", "nope", "--duration-s", "5", "--skip-s", "1"])
-    said = capsys.readouterr().err
-    assert code == 2 and "no Serve application 'nope'" in said and "kairos" in said

@@ -20,7 +20,7 @@ from kairos_ray.engines.emulated import BLOCK_TOKENS, EmulatedEngine, token_id
 from kairos_ray.messages import EngineRequest, KVHandoff, NodeState, Role
 from tests import shared_ray
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.own_ray]
 
 PROFILE = str(resolve_profile("a100-deepseek-v2-lite"))
 HARDWARE = ClusterHardware.from_profile(PROFILE)

@@ -24,7 +24,7 @@ from kairos_ray.messages import EngineRequest, KVHandoff, Role
 from tests import shared_ray
 from tests.engines.tiny import GREEDY, PROMPTS, TINY_KWARGS, node_pair
 
-pytestmark = [pytest.mark.ray, pytest.mark.vllm]
+pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.own_ray]
 
 OUTPUT = 16
 KV_TIMEOUT_S = 5.0

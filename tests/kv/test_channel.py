@@ -29,7 +29,7 @@ from kairos_ray.kv.channel import NCCL_ERRORS_RAISE, ChannelError, KVChannel, ra
 from tests import shared_ray
 from tests.kv.guarded_handoffs import HAND_OFFS
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.own_ray]
 
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parents[2]

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ray import serve
 
+from kairos_ray import cli
 from kairos_ray.bench import faults
 from kairos_ray.bench.soak import Finder
 from kairos_ray.engines.emulated import token_id
@@ -591,3 +592,47 @@ def test_a_router_shard_killed_under_load_loses_no_request_and_the_other_shard_d
     wait_until(replaced, timeout_s=180, what="a new Router-1 replica")
     text = wait_for_series(metrics_url, ["ray_kairos_router_shard_failovers"])  # the ingress counted leaving it out
     assert re.search(r'ray_kairos_router_shard_failovers(_total)?\{[^}]*shard="1"[^}]*\} [1-9]', text), text[-2000:]
+
+
+def test_a_soak_with_a_replica_kill_finds_every_process_counts_every_request_and_the_replacement(app, tmp_path, capsys):
+    """``kairos soak`` against the app: every request counted, every process sampled, the killed decode replica
+    paired with the one Serve starts in its place."""
+    url, _ = app
+    report_path, plot_path = tmp_path / "soak.json", tmp_path / "soak.png"
+    code = cli.main(
+        ["soak", "--url", url, "--rps", "3", "--duration-s", "28", "--skip-s", "4", "--sample-s", "1",
+         "--fault-every-s", "14", "--faults", "decode-replica-kill", "--hang-s", "120",
+         "--json", str(report_path), "--plot", str(plot_path)]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 0
+    report = json.loads(report_path.read_text())
+    assert plot_path.read_bytes()[:4] == b"\x89PNG"
+
+    requests = report["requests"]
+    assert requests["sent"] > 0 and requests["completed"] > 0
+    assert requests["sent"] == sum(requests[o] for o in ("completed", "failed", "hung", "lost"))
+    assert requests["lost"] == requests["hung"] == 0
+    assert report["in_flight_after"] == 0
+    assert report["residue"] and not any(report["residue"])  # every process read, none holding anything
+
+    processes = report["processes"]
+    roles = {p["role"] for p in processes}
+    assert {"Ingress", "Router", "router-actor", "prefill", DECODERS, "controller", "proxy"} <= roles
+    assert all(p["rss_start_mib"] > 0 and p["fds_start"] > 0 for p in processes)
+    assert all(p["rss_mib_per_hour"] is not None for p in processes if p["last_s"] - p["first_s"] >= 2)
+
+    (fault,) = report["faults"]
+    assert report["num_faults"] == 1 and fault["fault"] == "decode-replica-kill"
+    killed = f"{DECODERS}#" + fault["note"].removeprefix("ray.kill decode-")
+    (old,) = [p for p in processes if p["label"] == killed]
+    assert old["ended_s"] is not None and old["replaced_by"] is not None
+    (new,) = [p for p in processes if p["label"] == old["replaced_by"]]
+    assert new["role"] == DECODERS and new["replaces"] == killed and new["pid"] != old["pid"]
+    assert f"replaced by {new['label']}" in printed and f"replaces {killed}" in printed
+
+
+def test_a_soak_of_an_app_that_is_not_there_names_the_ones_that_are(app, capsys):
+    code = cli.main(["soak", "--url", app[0], "--app", "nope", "--duration-s", "5", "--skip-s", "1"])
+    said = capsys.readouterr().err
+    assert code == 2 and "no Serve application 'nope'" in said and "kairos" in said

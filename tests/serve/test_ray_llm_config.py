@@ -36,7 +36,7 @@ from tests.engines.tiny import TINY_KWARGS
 
 from .conftest import dashboard_series, running_app, wait_for_series
 
-pytestmark = [pytest.mark.ray, pytest.mark.vllm]
+pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.own_ray]  # a config deployed: the shared Ray stops after
 
 CONFIG = Path(__file__).parent / "configs" / "ray_pd_nixl.yaml"
 RAY_BUILDER = "ray.serve.llm:build_pd_openai_app"

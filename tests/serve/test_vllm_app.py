@@ -83,8 +83,9 @@ def prompt(words: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory):
-    """vLLM's OpenAI server on the app's model and engine arguments (base URL); stopped with the module.
+def vllm_server_process(tmp_path_factory):
+    """vLLM's OpenAI server on the app's model and engine arguments, started before the app (``routes_fixed``) so
+    that the two start side by side: (process, base URL, log file); stopped with the module.
 
     It prefills every prompt in one step: vLLM's CPU engine dies on a seeded
     request prefilled in several (the app's engines have that fixed,
@@ -104,17 +105,8 @@ def vllm_server(tmp_path_factory):
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"}
     with log.open("w") as out:
         server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert server.poll() is None, f"vLLM's server exited: {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"vLLM's server not up in 600 s: {log.read_text()[-3000:]}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(1)
-        yield url
+        yield server, f"http://127.0.0.1:{port}", log
     finally:
         server.terminate()
         try:
@@ -124,8 +116,22 @@ def vllm_server(tmp_path_factory):
             server.wait(30)
 
 
+@pytest.fixture(scope="module")
+def vllm_server(vllm_server_process) -> str:
+    """vLLM's OpenAI server (base URL), once it answers its health check."""
+    server, url, log = vllm_server_process
+    deadline = time.monotonic() + 600
+    while True:
+        assert server.poll() is None, f"vLLM's server exited: {log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"vLLM's server not up in 600 s: {log.read_text()[-3000:]}"
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return url
+        time.sleep(1)
+
+
 @pytest.fixture(scope="module", autouse=True)
-def routes_fixed(cpu_app):
+def routes_fixed(vllm_server_process, cpu_app):
     """This module's tests need each prompt's route fixed by its length (``sl:400+blind``)."""
     use_policy("sl:400+blind")
 
@@ -878,6 +884,7 @@ def test_the_field_tables_cover_every_field_of_vllms_request_models():
 
 FIELD_BASE = {"max_tokens": 12, "temperature": 0.0}
 _references: dict[bool, dict] = {}
+_baselines: dict[str, Any] = {}
 
 
 def resolved(value: dict | Callable[[dict], dict], chat: bool, server: str) -> dict:
@@ -887,6 +894,15 @@ def resolved(value: dict | Callable[[dict], dict], chat: bool, server: str) -> d
     if chat not in _references:
         _references[chat] = ask(server, chat, request_of(chat, 30, FIELD_BASE, WORDS_ONLY, return_token_ids=True)).body
     return value(_references[chat])
+
+
+def baseline_of(key: list, ask_it: Callable[[], Any]) -> Any:
+    """The app's answer to a field case's baseline request, asked once per distinct request (``key``): every
+    baseline is greedy or seeded, so asking again would give the same answer, and most cases share one."""
+    text = json.dumps(key, sort_keys=True)
+    if text not in _baselines:
+        _baselines[text] = ask_it()
+    return _baselines[text]
 
 
 @pytest.mark.parametrize(
@@ -910,8 +926,10 @@ def test_every_request_field_is_honoured_as_vllm_honours_it_or_refused(cpu_app, 
         assert ours.body["id"] == theirs.body["id"]
     else:
         assert_same_answer(ours, theirs)
-    fields = resolved(served.baseline, chat, vllm_server)
-    baseline = ask(url, chat, request_of(chat, 30, FIELD_BASE, fields), served.stream and name != "stream")
+    fields, stream = resolved(served.baseline, chat, vllm_server), served.stream and name != "stream"
+    baseline = baseline_of(
+        [chat, fields, stream], lambda: ask(url, chat, request_of(chat, 30, FIELD_BASE, fields), stream)
+    )
     changed = [k for k in served.keys if ours.body.get(k) != baseline.body.get(k)]
     if served.kind == HONOURED:
         assert changed or ours.body["logprobs"] != baseline.body["logprobs"], f"{name} changed nothing"
@@ -1117,7 +1135,7 @@ def test_every_responses_field_is_served_as_vllm_serves_it_or_refused(cpu_app, v
         assert ours.json()["id"] == theirs.json()["id"] == served.fields["request_id"]
         return
     assert normalized(ours) == normalized(theirs)
-    baseline = normalized(post(url, served.baseline))
+    baseline = baseline_of(["responses", served.baseline], lambda: normalized(post(url, served.baseline)))
     if served.kind == HONOURED:
         assert normalized(ours) != baseline, f"{name} changed nothing"
     else:
