@@ -18,9 +18,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kairos_ray.engines.emulated import BLOCK_TOKENS, VOCAB, token_id
 from kairos_ray.messages import LiveState, Role
-from kairos_ray.serve import build_app
 
-from .conftest import MODEL, app_args, dashboard_series, wait_for_no_residue, wait_for_prefix, wait_for_series
+from .conftest import MODEL, dashboard_series, wait_for_no_residue, wait_for_prefix, wait_for_series
 
 pytestmark = pytest.mark.ray
 
@@ -310,26 +309,6 @@ def test_prefill_nodes_free_handed_off_kv(live_app):
             return
         time.sleep(0.5)
     pytest.fail(f"prefill nodes still hold KV: {pinned}")
-
-
-def test_router_that_cannot_decide_falls_back_to_disaggregation(live_app):
-    url, metrics_url = live_app
-    # a second app whose router never answers in time
-    serve.run(build_app(app_args(decision_timeout_s=1e-6)), name="fallback", route_prefix="/fallback")
-    try:
-        responses = [completion(f"{url}/fallback", prompt=list(range(300)), max_tokens=3) for _ in range(4)]
-        assert all(r.status_code == 200 for r in responses)
-        assert {r.headers["x-kairos-fallback"] for r in responses} == {"1"}
-        assert {r.headers["x-kairos-route"] for r in responses} == {"prefill"}
-        assert all(r.headers["x-kairos-prefill-node"].startswith("prefill-") for r in responses)
-        assert all(r.headers["x-kairos-decode-node"].startswith("decode-") for r in responses)
-        assert all(r.json()["usage"]["completion_tokens"] == 3 for r in responses)
-        deadline = time.monotonic() + 90
-        while 'reason="fallback"' not in httpx.get(metrics_url, timeout=10).text:
-            assert time.monotonic() < deadline, "fallbacks are not counted"
-            time.sleep(2)
-    finally:
-        serve.delete("fallback")
 
 
 def test_kairos_bench_replays_a_workload_against_the_app(live_app, tmp_path):

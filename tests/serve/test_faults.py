@@ -230,8 +230,15 @@ def test_the_router_killed_falls_back_and_comes_back(app):
     )
 
 
+def fallbacks_counted(metrics_url: str) -> float:
+    """The ingress's count of requests the router could not decide (``kairos_decisions{reason="fallback"}``)."""
+    lines = httpx.get(metrics_url, timeout=10).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("ray_kairos_decisions") and
+               'reason="fallback"' in line)  # fmt: skip
+
+
 def test_a_hung_router_actor_falls_back_within_the_decision_deadline_and_is_replaced(app):
-    url, _ = app
+    url, metrics_url = app
 
     def fallback() -> str | None:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
@@ -240,12 +247,20 @@ def test_a_hung_router_actor_falls_back_within_the_decision_deadline_and_is_repl
         return r.headers.get("x-kairos-fallback")
 
     wait_until(lambda: fallback() == "0", timeout_s=90, what="routing decisions")
+    counted = fallbacks_counted(metrics_url)
     pid = faults.replica_pid(faults.router_actor("kairos"))
     os.kill(pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
-        assert fallback() == "1"  # the decision deadline passed: plain disaggregation, answered
+        body = {"model": MODEL, "prompt": list(range(300)), "max_tokens": 3}  # decided, it would be deflected
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert time.monotonic() - start < 30
+        # the decision deadline passed: plain disaggregation on nodes the ingress picks, answered in full, counted
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert r.headers["x-kairos-fallback"] == "1" and r.headers["x-kairos-route"] == "prefill"
+        assert r.headers["x-kairos-prefill-node"].startswith("prefill-")
+        assert r.headers["x-kairos-decode-node"].startswith("decode-")
+        wait_until(lambda: fallbacks_counted(metrics_url) > counted, timeout_s=90, what="the fallback counted")
         # the replica's health check finds the actor hung; Serve replaces the replica and the actor with it
         wait_until(lambda: fallback() == "0", timeout_s=180, what="decisions from a new router actor")
         assert faults.replica_pid(faults.router_actor("kairos")) != pid
