@@ -30,6 +30,13 @@ Serve's own ``RAY_SERVE_THROUGHPUT_OPTIMIZED`` mode does), which saves a cross-t
 Why each, and what it saves: ``docs/live-path-performance.md``."""
 
 
+INGRESS_ENV = {"MALLOC_ARENA_MAX": "2"}
+"""The ingress's process environment (a user's own ``runtime_env.env_vars`` win): glibc's malloc gives each thread
+that allocates an arena of its own, up to eight per core, and seldom hands their freed pages back; the ingress parses
+bodies and renders prompts on threads, and with two arenas its RSS stops creeping with requests served. The engines
+keep the default (their kernels allocate from many threads at once). Figures: ``docs/failures.md``, Soak."""
+
+
 REQUEST_TIMEOUT_S = 1800.0
 """Serve's ``http_options.request_timeout_s`` in the shipped configs and local runs: the app ends what it can
 sooner (its own deadlines), and this bounds whatever it cannot (a stream that still runs after 30 minutes)."""
@@ -44,6 +51,15 @@ def use_cluster_env() -> None:
     """Put ``CLUSTER_ENV`` in this process's environment (where not set already), for the Ray it starts."""
     for name, value in CLUSTER_ENV.items():
         os.environ.setdefault(name, value)
+
+
+def ingress_options(config: dict[str, Any]) -> dict[str, Any]:
+    """The ingress deployment's Serve options: ``ingress_deployment_config`` with ``INGRESS_ENV`` in its actor's
+    environment and no CPU reserved, unless the user's options say otherwise."""
+    actor = {"num_cpus": 0, **config.get("ray_actor_options", {})}
+    runtime_env = actor.get("runtime_env", {})
+    actor["runtime_env"] = {**runtime_env, "env_vars": {**INGRESS_ENV, **runtime_env.get("env_vars", {})}}
+    return {**config, "ray_actor_options": actor}
 
 
 def pool_options(role: Role, pool: PoolConfig, kairos: KairosConfig, group: int = 0) -> dict[str, Any]:
@@ -122,9 +138,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     secret = secrets.token_bytes(32)  # this application's engines prove it to each other (KV channel pairs)
     decode = args.groups(Role.DECODE)[0]  # the groups serve one model one way: the ingress reads the first's
     vllm = decode.engine == "vllm"  # the ingress renders prompts as the decode engines will see them
-    ingress = _deployment(Ingress)
-    if args.ingress_deployment_config:
-        ingress = ingress.options(**args.ingress_deployment_config)
+    ingress = _deployment(Ingress).options(**ingress_options(args.ingress_deployment_config))
     return ingress.bind(
         routers,
         _groups(Role.PREFILL, args, routers, secret),

@@ -11,6 +11,7 @@ from ray.llm._internal.serve.constants import DEFAULT_MAX_TARGET_ONGOING_REQUEST
 from kairos_ray.core import AdmissionMode
 from kairos_ray.messages import NodeId, Role
 from kairos_ray.serve import REQUEST_TIMEOUT_S, build_app, pool_options
+from kairos_ray.serve.app import INGRESS_ENV, ingress_options
 from kairos_ray.serve.args import AppArgs
 from kairos_ray.serve.delivery import replica_of
 
@@ -285,3 +286,12 @@ def test_a_node_id_names_its_role_and_replica_and_nothing_else_reads_as_one():
         with pytest.raises(ValueError, match="no node id"):
             NodeId.parse(junk)
     assert replica_of("decode-ab12cd34") == "ab12cd34" and replica_of("Router") == ""
+
+
+def test_the_ingress_runs_with_malloc_arenas_capped_unless_its_options_say_otherwise():
+    assert ingress_options({}) == {"ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": INGRESS_ENV}}}
+    own = {"env_vars": {"MALLOC_ARENA_MAX": "4", "OTHER": "1"}, "pip": ["x"]}
+    options = ingress_options({"num_replicas": 2, "ray_actor_options": {"num_cpus": 1, "runtime_env": own}})
+    assert options == {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1, "runtime_env": own}}
+    plain = ingress_options({"ray_actor_options": {"runtime_env": {"pip": ["x"]}}})["ray_actor_options"]
+    assert plain["runtime_env"] == {"pip": ["x"], "env_vars": INGRESS_ENV}

@@ -15,6 +15,7 @@ import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -30,6 +31,7 @@ from kairos_ray.bench.soak import Finder
 from kairos_ray.engines.emulated import token_id
 from kairos_ray.messages import Role
 from kairos_ray.serve import build_app
+from kairos_ray.serve.app import INGRESS_ENV
 
 from .bodies import BODIES
 from .conftest import MODEL, app_args, running_app, wait_for_no_residue, wait_for_series
@@ -569,6 +571,14 @@ def test_a_soak_samples_every_router_shard_s_actor(app):
         assert actors[role].pid == faults.replica_pid(faults.router_actor("secured", shard))
         assert actors[role].label.startswith(f"{role}#")
     assert {x.role for x in found} >= {"Ingress", "Router", "Router-1", "prefill", "controller", "proxy"}
+
+    def environ(role: str) -> set[str]:
+        pid = next(x.pid for x in found if x.role == role)
+        return set(Path(f"/proc/{pid}/environ").read_text().split("\0"))
+
+    # glibc's malloc arenas capped in the ingress (INGRESS_ENV); the engines keep the default
+    assert {f"{name}={value}" for name, value in INGRESS_ENV.items()} <= environ("Ingress")
+    assert not any(v.startswith("MALLOC_ARENA_MAX=") for v in environ("prefill"))
 
 
 def test_a_router_shard_killed_under_load_loses_no_request_and_the_other_shard_decides_at_once(app):
