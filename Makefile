@@ -17,8 +17,8 @@ stop:
 demo: setup
 	.venv/bin/kairos demo
 
-test: setup  # a native crash anywhere in the run prints every thread's stack; the slowest tests are listed
-	PYTHONFAULTHANDLER=1 .venv/bin/python -m pytest --durations=30
+test: setup  # the unit layer beside the Ray and vLLM layers; a native crash prints every thread's stack
+	bash scripts/test_suite.sh
 
 test-fast: setup  # the unit layer: no Ray cluster, no vLLM engine (tests/conftest.py), on two processes
 	.venv/bin/python -m pytest -m unit -q -n 2

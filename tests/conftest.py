@@ -19,7 +19,9 @@ LAYERS = ("ray", "vllm")
 
 def pytest_collection_modifyitems(items):
     """Every test not marked ``ray`` or ``vllm`` (by its module's ``pytestmark``) is a ``unit`` test; the tests
-    marked ``own_ray`` run first, so that the Ray the app modules share (``tests/shared_ray.py``) starts once."""
+    marked ``own_ray`` run first, so that the Ray the app modules share (``tests/shared_ray.py``) starts once.
+
+    ``make test`` runs the unit layer in a second process beside the others (``scripts/test_suite.sh``)."""
     for item in items:
         if not any(item.get_closest_marker(layer) for layer in LAYERS):
             item.add_marker(pytest.mark.unit)
