@@ -118,20 +118,13 @@ def use_policy(spec: str, app_name: str = "kairos") -> str:
     return before
 
 
-def prefix_hits(prompt: list[int], block_tokens: int) -> dict[str, int]:
-    """Per node, the leading tokens of ``prompt`` the router's mirror of its prefix cache holds."""
-    router = serve.get_deployment_handle("Router", app_name="kairos")
-    hits: dict[str, int] = router.prefix_hits.remote(
-        {block_tokens: block_ids(prompt, block_tokens)}, len(prompt)
-    ).result(timeout_s=60)
-    return hits
-
-
 def wait_for_prefix(node: str, prompt: list[int], block_tokens: int, tokens: int, within_s: float = 30) -> None:
     """Wait until the router's mirror of ``node``'s prefix cache holds ``tokens`` leading tokens of ``prompt``."""
+    router = serve.get_deployment_handle("Router", app_name="kairos")
+    ids = {block_tokens: block_ids(prompt, block_tokens)}
     deadline, hits = time.monotonic() + within_s, {}
     while time.monotonic() < deadline:
-        hits = prefix_hits(prompt, block_tokens)
+        hits = router.prefix_hits.remote(ids, len(prompt)).result()
         if hits.get(node, 0) >= tokens:
             return
         time.sleep(0.2)
