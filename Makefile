@@ -17,7 +17,7 @@ stop:
 demo: setup
 	.venv/bin/kairos demo
 
-test: setup  # the unit layer beside the Ray and vLLM layers; a native crash prints every thread's stack
+test: setup  # the unit layer beside the Ray and vLLM layers (scripts/test_suite.sh)
 	bash scripts/test_suite.sh
 
 test-fast: setup  # the unit layer: no Ray cluster, no vLLM engine (tests/conftest.py), on two processes

@@ -8,15 +8,20 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+export PYTHONFAULTHANDLER=1  # a native crash in either run prints every thread's stack
 unit_log=$(mktemp)
-trap 'rm -f "$unit_log"' EXIT
+unit=""
+# interrupted or failed to start, the unit run goes too (a background job of a script ignores the terminal's ^C)
+trap '[[ -n $unit ]] && kill "$unit" 2>/dev/null; rm -f "$unit_log"' EXIT
+trap 'exit 130' INT TERM
 # no cache plugin: the two runs would overwrite each other's record of failed tests
 nice -n 19 .venv/bin/python -m pytest -m unit -q -p no:cacheprovider --durations=10 "$@" >"$unit_log" 2>&1 &
 unit=$!
-PYTHONFAULTHANDLER=1 .venv/bin/python -m pytest -m "not unit" --durations=30 "$@"
+.venv/bin/python -m pytest -m "not unit" --durations=30 "$@"
 live=$?
 wait "$unit"
 unit_status=$?
+unit=""
 echo
 echo "=============================== the unit layer ==============================="
 cat "$unit_log"
