@@ -47,7 +47,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -168,6 +168,13 @@ class RouterState:
         self._stale.add(node)
         if state.prefix is not None:
             self._mirror(node, state.prefix)
+
+    def reprice(self, state: NodeState) -> None:
+        """Take a node's last report again, priced with another model (``NodeState.view.model``): not a report,
+        so its time and its acknowledgements stay as they were."""
+        if state.node_id in self.states:
+            self.states[state.node_id] = state
+            self._stale.add(state.node_id)
 
     def _mirror(self, node: str, prefix: PrefixDelta) -> None:
         """Apply a node's prefix-cache delta; a lost one (a gap in ``seq``) drops the mirror until a full one."""
@@ -493,10 +500,9 @@ class RouterActor:
     def report(self, state: NodeState) -> None:
         group = _group_of(state)
         own = self.group_models.get(group)
-        base = own or self.model
-        model = self._calibrated(state, group, base) if self.scales is not None else base
-        if model is not self.model:
-            state = replace(state, view=replace(state.view, model=model))
+        if self.scales is not None and state.steps:
+            self._calibrate(state, group, own or self.model)
+        state = self._priced(state)
         self.state.report(state, time.monotonic())
         self.metrics.node(priced_by(state, self.state.policy.model_of(state.view)))
         if self.refit is not None and own is None:
@@ -504,22 +510,48 @@ class RouterActor:
             if self.refit.due:
                 self._refit()
 
-    def _calibrated(self, state: NodeState, group: str, base: StepLatencyModel) -> StepLatencyModel:
-        """The model ``refit.NodeScales`` prices the node with: its group's ``base`` scaled to the node's steps,
-        or to its group's calibrated nodes' until it has its own."""
+    def _priced(self, state: NodeState) -> NodeState:
+        """``state`` priced with the model the router prices its node with now: its group's profile or the pool's,
+        scaled to the node by ``refit.NodeScales`` (the view's model None for the pool's own, the policy's)."""
+        group = _group_of(state)
+        base = self.group_models.get(group) or self.model
+        model: StepLatencyModel | None = (
+            self.scales.model_for(state.node_id, group, base) if self.scales is not None else base
+        )
+        if model is self.model:
+            model = None
+        return state if state.view.model is model else replace(state, view=replace(state.view, model=model))
+
+    def _reprice(self, states: Iterable[NodeState]) -> None:
+        """Price these nodes' last reports with the models in use now, once a refit or a calibration changed them:
+        a node that has not reported since would otherwise be ranked against its siblings with a scale fitted
+        against another model."""
+        for state in list(states):
+            priced = self._priced(state)
+            if priced is not state:
+                self.state.reprice(priced)
+
+    def _calibrate(self, state: NodeState, group: str, base: StepLatencyModel) -> None:
+        """Keep the node's steps for ``refit.NodeScales``, which scales its group's ``base`` to them; a scale
+        adopted moves its group's too, which the group's nodes without their own are priced with."""
         assert self.scales is not None
         node, scales = state.node_id, self.scales
-        if state.steps:
-            if len(scales) > len(self.state.states):
-                for gone in set(scales.nodes()) - set(self.state.states):
-                    scales.forget(gone)  # nodes that left the view
-            result = scales.add(node, group, state.steps, base)
-            if result is not None and result.model is not None:
-                logger.info(
-                    "kairos calibration of %s: step-latency MAPE %.1f %% -> %.1f %% (x %.2f of its group's model)",
-                    node, 100 * result.current_mape, 100 * result.refit_mape, scales.scale[node],
-                )  # fmt: skip
-        return scales.model_for(node, group, base)
+        regrouped: set[str | None] = set()  # groups whose median scale moved
+        if len(scales) > len(self.state.states):
+            for gone in set(scales.nodes()) - set(self.state.states):
+                regrouped.add(scales.group_of(gone))
+                scales.forget(gone)  # nodes that left the view
+        result = scales.add(node, group, state.steps, base)
+        if result is not None and result.model is not None:
+            logger.info(
+                "kairos calibration of %s: step-latency MAPE %.1f %% -> %.1f %% (x %.2f of its group's model)",
+                node, 100 * result.current_mape, 100 * result.refit_mape, scales.scale[node],
+            )  # fmt: skip
+            regrouped.add(group)
+        if regrouped:
+            self._reprice(
+                s for s in self.state.states.values() if s.node_id not in scales.scale and _group_of(s) in regrouped
+            )
 
     def _refit(self) -> None:
         """Adopt a model refit on the reported steps when it predicts them better (both pools' model)."""
@@ -537,6 +569,7 @@ class RouterActor:
             self.state.policy = self.config.build_policy(
                 self.state.policy.spec, model=self.model, hardware=self.hardware
             )
+            self._reprice(self.state.states.values())
             self.metrics.refits.inc()
 
     def live(self) -> RouterLive:
@@ -578,6 +611,7 @@ class RouterActor:
         if self.scales is not None:
             self.scales = NodeScales(self.scales.every, self.scales.window)
         self.state.policy = self.config.build_policy(spec, model=self.model, hardware=self.hardware)
+        self._reprice(self.state.states.values())
         return before
 
     def residue(self) -> Residue:

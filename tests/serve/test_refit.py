@@ -200,6 +200,35 @@ def test_a_node_without_its_own_scale_is_priced_with_its_groups_calibrated_nodes
     assert scales.model_for("d2", "decode", SHIPPED) is SHIPPED
 
 
+def test_a_calibration_or_a_refit_reprices_the_nodes_that_have_not_reported_since():
+    """A node is ranked against its siblings on models fitted against the same pool model: one that has not
+    reported since a calibration moved its group's scale, or since a refit replaced the pool's model, is not left
+    priced with the model of before (the holder of a conversation's history ranked below an idle sibling)."""
+    from kairos_ray.config import KairosConfig
+    from kairos_ray.core import DecodeNodeView, PrefillNodeView
+    from kairos_ray.messages import NodeState
+    from kairos_ray.serve.router import RouterActor
+    from kairos_ray.serve.types import RouterOptions
+
+    router = RouterActor(KairosConfig(), RouterOptions(refit_every_steps=300))
+    busy, idle = DecodeNodeView("busy", 0, 0, 1_000_000), DecodeNodeView("idle", 0, 0, 1_000_000)
+    router.report(NodeState(PrefillNodeView("p0"), "host", 0.0))
+    router.report(NodeState(idle, "host", 0.0))
+
+    def models():
+        return {n.node_id: n.model for n in router.state.view(0.0)[0].decode}
+
+    assert models()["idle"] is None  # nothing calibrated yet: the pool's model
+    router.report(NodeState(busy, "host", 0.0, tuple(reports(ACTUAL, 100))))  # calibrated at x 1.3
+    assert router.scales is not None and router.scales.scale["busy"] == pytest.approx(1.3, rel=0.02)
+    idle_model = models()["idle"]
+    assert idle_model is not None  # its group's scale, though it has not reported since
+    assert idle_model.step_s(64, 200_000, 512) == pytest.approx(1.3 * SHIPPED.step_s(64, 200_000, 512), rel=0.02)
+    router.report(NodeState(busy, "host", 0.0, tuple(reports(ACTUAL, 200, seed=1))))  # the pool's refit is due
+    assert router.model is not router.config.predictor.load() and not router.scales.scale
+    assert models() == {"busy": None, "idle": None}  # both on the refit model, the policy's
+
+
 def test_use_policy_starts_the_router_over_without_the_nodes_calibrations():
     from kairos_ray.config import KairosConfig
     from kairos_ray.core import DecodeNodeView, PrefillNodeView
@@ -213,6 +242,7 @@ def test_use_policy_starts_the_router_over_without_the_nodes_calibrations():
     assert router.scales is not None and router.scales.scale["d0"] == pytest.approx(1.3, rel=0.02)
     router.use_policy(router.state.policy.spec)
     assert router.scales is not None and not router.scales.scale and not router.scales.nodes()
+    assert router.state.view(0.0)[0].decode[0].model is None  # d0 too, before it reports again
     router.report(NodeState(DecodeNodeView("d1", 0, 0, 1_000_000), "host", 0.0))
     views = {n.node_id: n for n in router.state.view(0.0)[0].decode}
     assert views["d1"].model is None  # priced with the pool's model again
