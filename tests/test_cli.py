@@ -1,5 +1,7 @@
-"""The `kairos` console command, run as a user would run it."""
+"""The `kairos` console command: its arguments, answers and exit statuses, as a user would see them."""
 
+import contextlib
+import io
 import json
 import re
 import subprocess
@@ -8,17 +10,33 @@ from pathlib import Path
 
 import pytest
 
+from kairos_ray.cli import main
 from kairos_ray.core import StepLatencyModel
 
 KAIROS = Path(sys.executable).parent / "kairos"
 
 
 def kairos(*args: str) -> subprocess.CompletedProcess[str]:
+    """``kairos ARGS`` as the console script runs it (``cli.main``), in this process: what it printed and its exit
+    status (an interpreter's start per call would cost more than most commands; ``kairos_process`` runs the
+    installed script itself)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's answer to bad arguments and to --help
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    return subprocess.CompletedProcess(["kairos", *args], code, out.getvalue(), err.getvalue())
+
+
+def kairos_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """``kairos ARGS`` run by the installed console script, in a process of its own."""
     return subprocess.run([str(KAIROS), *args], capture_output=True, text=True, timeout=120)
 
 
-def test_help_lists_the_commands():
-    result = kairos("--help")
+@pytest.mark.parametrize("run", [kairos, kairos_process])
+def test_help_lists_the_commands(run):
+    result = run("--help")
     assert result.returncode == 0
     for command in ("demo", "config", "fit", "top"):
         assert re.search(rf"^\s+{command}\s", result.stdout, re.M), command

@@ -6,14 +6,14 @@ import json
 import pytest
 
 from kairos_ray.core import StepLatencyModel
-from tests.test_cli import kairos
+from tests.test_cli import kairos_process
 
 pytestmark = pytest.mark.vllm
 
 
 def test_profile_measures_the_grid_and_fits(tmp_path):
     steps, profile = tmp_path / "steps.csv", tmp_path / "profile.json"
-    result = kairos(
+    result = kairos_process(
         "profile", "--batch-sizes", "1,4", "--contexts", "64,256", "--chunks", "0,64,256", "--prefixes", "0,128",
         "--repeats", "2", "--engine-arg", "seed=1", "-o", str(steps), "--fit", str(profile),
     )  # fmt: skip
