@@ -174,9 +174,9 @@ class NodeScales:
         if self.scale.pop(node_id, None) is not None and group is not None:
             self._regroup(group)
 
-    def group_of(self, node_id: str) -> str | None:
-        """The group ``node_id`` was calibrated in (None: a node without steps kept here)."""
-        return self._group.get(node_id)
+    def group_of(self, node_id: str) -> str:
+        """The group ``node_id`` (one of ``nodes``) was calibrated in."""
+        return self._group[node_id]
 
     def nodes(self) -> list[str]:
         return list(self._steps)

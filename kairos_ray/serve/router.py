@@ -502,7 +502,7 @@ class RouterActor:
         own = self.group_models.get(group)
         if self.scales is not None and state.steps:
             self._calibrate(state, group, own or self.model)
-        state = self._priced(state)
+        state = self._priced(state, group)
         self.state.report(state, time.monotonic())
         self.metrics.node(priced_by(state, self.state.policy.model_of(state.view)))
         if self.refit is not None and own is None:
@@ -510,10 +510,10 @@ class RouterActor:
             if self.refit.due:
                 self._refit()
 
-    def _priced(self, state: NodeState) -> NodeState:
-        """``state`` priced with the model the router prices its node with now: its group's profile or the pool's,
-        scaled to the node by ``refit.NodeScales`` (the view's model None for the pool's own, the policy's)."""
-        group = _group_of(state)
+    def _priced(self, state: NodeState, group: str) -> NodeState:
+        """``state`` of a node of ``group`` priced with the model the router prices the node with now: its group's
+        profile or the pool's, scaled to the node by ``refit.NodeScales`` (the view's model None for the pool's own,
+        the policy's)."""
         base = self.group_models.get(group) or self.model
         model: StepLatencyModel | None = (
             self.scales.model_for(state.node_id, group, base) if self.scales is not None else base
@@ -527,7 +527,7 @@ class RouterActor:
         a node that has not reported since would otherwise be ranked against its siblings with a scale fitted
         against another model."""
         for state in list(states):
-            priced = self._priced(state)
+            priced = self._priced(state, _group_of(state))
             if priced is not state:
                 self.state.reprice(priced)
 
@@ -536,7 +536,7 @@ class RouterActor:
         adopted moves its group's too, which the group's nodes without their own are priced with."""
         assert self.scales is not None
         node, scales = state.node_id, self.scales
-        regrouped: set[str | None] = set()  # groups whose median scale moved
+        regrouped: set[str] = set()  # groups whose median scale moved
         if len(scales) > len(self.state.states):
             for gone in set(scales.nodes()) - set(self.state.states):
                 regrouped.add(scales.group_of(gone))
