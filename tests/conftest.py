@@ -21,7 +21,8 @@ def pytest_collection_modifyitems(items):
     """Every test not marked ``ray`` or ``vllm`` (by its module's ``pytestmark``) is a ``unit`` test; the tests
     marked ``own_ray`` run first, so that the Ray the app modules share (``tests/shared_ray.py``) starts once.
 
-    ``make test`` runs the unit layer in a second process beside the others (``scripts/test_suite.sh``)."""
+    ``make test`` runs the unit layer, the vLLM app layer (``ray and vllm``) and the other live tests in three
+    processes side by side (``scripts/test_suite.sh``)."""
     for item in items:
         if not any(item.get_closest_marker(layer) for layer in LAYERS):
             item.add_marker(pytest.mark.unit)

@@ -1,5 +1,7 @@
 """One local Ray with Serve for the test modules that serve apps, started by the first that needs it.
 
+It is this pytest process's own: ``make test``'s two live runs each start theirs, on ports of their own.
+
 Starting Ray and Serve, and shutting them down, costs tens of seconds on two
 cores: the modules that deploy apps (``tests/serve/conftest.running_app``)
 share one cluster, each deleting its apps when it is done. A module that needs

@@ -215,6 +215,89 @@ def test_decode_nodes_export_their_kv_recomputes(cpu_app):
     assert all(float(line.rsplit(" ", 1)[1]) == 0 for line in lines)
 
 
+def greedy_text(url: str, text: str, max_tokens: int) -> str:
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": MODEL, "prompt": text, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def decode_nodes() -> dict:
+    states = serve.get_deployment_handle("Router", app_name="kairos").snapshot.remote().result()
+    return {node: s for node, s in states.items() if s.role is Role.DECODE}
+
+
+def disturbed_stream(url: str, text: str, max_tokens: int, fault) -> tuple[str, str, int]:
+    """(streamed text, decode node faulted, tokens) of a greedy stream whose decode node gets ``fault`` at token 8."""
+    body = {"model": MODEL, "prompt": text, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    texts, node, done = [], None, False
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                node = node or event["kairos"]["decode_node"]
+                texts.append(event["choices"][0]["text"])
+                if len(texts) == 8:
+                    fault(node)
+    assert done
+    return "".join(texts), node, len(texts)
+
+
+def wait_for_decode_nodes(count: int, timeout_s: float = 420.0) -> None:
+    """Serve replaces a failed replica; its new engine takes a minute or two to start on 2 cores (the tests
+    after a fault run meanwhile, on the other decode node)."""
+    deadline = time.monotonic() + timeout_s
+    while len(decode_nodes()) < count:
+        assert time.monotonic() < deadline, f"{count} decode nodes not back within {timeout_s} s"
+        time.sleep(2)
+
+
+@pytest.fixture(scope="module")
+def undisturbed(cpu_app) -> str:
+    """A deflected prompt's greedy text on the app before any fault."""
+    return greedy_text(cpu_app[0], prompt(SHORT), 48)
+
+
+def fault_mid_stream(url: str, reference: str, signum: int) -> None:
+    """A greedy stream whose decode node's engine core gets ``signum`` at token 8 moves to the other decode node
+    with its text unchanged, and the failed node leaves the router's view. Serve replaces its replica while the
+    next tests run (``test_both_faulted_decode_replicas_are_replaced_and_serve_as_before``)."""
+    wait_for_decode_nodes(2)  # a node for the stream to move to
+    stopped = []
+
+    def inject(node: str) -> None:
+        pid = faults.engine_pid("kairos", node)
+        os.kill(pid, signum)
+        stopped.append((node, pid))
+
+    try:
+        streamed, node, count = disturbed_stream(url, prompt(SHORT), 48, inject)  # deflected: on a decode node
+        assert stopped and count == 48
+        assert streamed == reference
+        deadline = time.monotonic() + 15
+        while node in decode_nodes():  # unhealthy: out of the view within a heartbeat or two
+            assert time.monotonic() < deadline, f"{node} still in the router's view"
+            time.sleep(0.2)
+    finally:
+        for _, pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def test_a_decode_engine_core_that_dies_mid_stream_is_left_and_the_text_is_unchanged(cpu_app, undisturbed):
+    """Greedy tokens: a stream migrated after its decode node's engine core was killed equals an undisturbed
+    run's."""
+    fault_mid_stream(cpu_app[0], undisturbed, signal.SIGKILL)
+
+
 def answer(response: dict, chat: bool) -> dict:
     """What the comparisons read of a non-streamed response body."""
     (choice,) = response["choices"]
@@ -876,6 +959,12 @@ def test_version_answers_as_vllms_own_server(cpu_app, vllm_server):
     assert ours.json()["version"] == theirs.json()["version"] and ours.json()["kairos_ray"]
 
 
+def test_a_decode_engine_core_that_hangs_mid_stream_is_left_and_the_text_is_unchanged(cpu_app, undisturbed):
+    """Greedy tokens: a stream migrated after its decode node's engine core stopped (SIGSTOP) equals an
+    undisturbed run's."""
+    fault_mid_stream(cpu_app[0], undisturbed, signal.SIGSTOP)
+
+
 def test_the_field_tables_cover_every_field_of_vllms_request_models():
     """When vLLM grows a request field, this fails until the table says how the app serves it."""
     assert set(TABLES[False]) == set(CompletionRequest.model_fields)
@@ -935,94 +1024,6 @@ def test_every_request_field_is_honoured_as_vllm_honours_it_or_refused(cpu_app, 
         assert changed or ours.body["logprobs"] != baseline.body["logprobs"], f"{name} changed nothing"
     else:
         assert_same_answer(ours, baseline)
-
-
-def greedy_text(url: str, text: str, max_tokens: int) -> str:
-    r = httpx.post(
-        f"{url}/v1/completions",
-        json={"model": MODEL, "prompt": text, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
-        timeout=300,
-    )
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
-
-
-def decode_nodes() -> dict:
-    states = serve.get_deployment_handle("Router", app_name="kairos").snapshot.remote().result()
-    return {node: s for node, s in states.items() if s.role is Role.DECODE}
-
-
-def disturbed_stream(url: str, text: str, max_tokens: int, fault) -> tuple[str, str, int]:
-    """(streamed text, decode node faulted, tokens) of a greedy stream whose decode node gets ``fault`` at token 8."""
-    body = {"model": MODEL, "prompt": text, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True}  # fmt: skip
-    texts, node, done = [], None, False
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                node = node or event["kairos"]["decode_node"]
-                texts.append(event["choices"][0]["text"])
-                if len(texts) == 8:
-                    fault(node)
-    assert done
-    return "".join(texts), node, len(texts)
-
-
-def wait_for_decode_nodes(count: int, timeout_s: float = 420.0) -> None:
-    """Serve replaces a failed replica; its new engine takes a minute or two to start on 2 cores."""
-    deadline = time.monotonic() + timeout_s
-    while len(decode_nodes()) < count:
-        assert time.monotonic() < deadline, f"{count} decode nodes not back within {timeout_s} s"
-        time.sleep(2)
-
-
-@pytest.mark.parametrize("fault", ["kill -9", "SIGSTOP"])
-def test_a_decode_engine_core_that_dies_or_hangs_mid_stream_is_left_and_the_text_is_unchanged(cpu_app, fault):
-    """Greedy tokens: a stream migrated after its decode node's engine core died (or stopped) equals an
-    undisturbed run's; the failed node leaves the router's view and Serve replaces its replica."""
-    url, _ = cpu_app
-    wait_for_decode_nodes(2)
-    text = prompt(SHORT)  # deflected: prefilled on a decode node
-    reference = greedy_text(url, text, 48)
-    stopped = []
-
-    def inject(node: str) -> None:
-        pid = faults.engine_pid("kairos", node)
-        os.kill(pid, signal.SIGKILL if fault == "kill -9" else signal.SIGSTOP)
-        stopped.append((node, pid))
-
-    try:
-        streamed, node, count = disturbed_stream(url, text, 48, inject)
-        assert stopped and count == 48
-        assert streamed == reference
-        deadline = time.monotonic() + 15
-        while node in decode_nodes():  # unhealthy: out of the view within a heartbeat or two
-            assert time.monotonic() < deadline, f"{node} still in the router's view"
-            time.sleep(0.2)
-    finally:
-        for _, pid in stopped:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-    wait_for_decode_nodes(2)
-    assert greedy_text(url, text, 48) == reference  # and the app serves as before
-
-
-def test_every_per_request_structure_is_empty_once_idle(cpu_app):
-    """After this module's requests (both routes, failed and migrated ones among them) and a client gone
-    mid-stream, nothing is kept per request: ingress, router, engines, vLLM's own state, staged KV."""
-    url, _ = cpu_app
-    wait_for_decode_nodes(2)
-    body = {"model": MODEL, "prompt": prompt(LONG), "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
-        assert r.status_code == 200
-        next(line for line in r.iter_lines() if line.startswith("data: "))  # then the client goes away
-    found = wait_for_no_residue(within_s=120)
-    assert {r.process.split("-")[0] for r in found} == {"ingress", "router", "prefill", "decode"}
 
 
 R_BASE = {"input": prompt(30), "max_output_tokens": 12, "temperature": 0.0}
@@ -1140,3 +1141,23 @@ def test_every_responses_field_is_served_as_vllm_serves_it_or_refused(cpu_app, v
         assert normalized(ours) != baseline, f"{name} changed nothing"
     else:
         assert normalized(ours) == baseline
+
+
+def test_both_faulted_decode_replicas_are_replaced_and_serve_as_before(cpu_app, undisturbed):
+    """Serve replaced the replicas of the two faults above: two decode nodes in the router's view again, and the
+    app serves the deflected prompt as before."""
+    wait_for_decode_nodes(2)
+    assert greedy_text(cpu_app[0], prompt(SHORT), 48) == undisturbed
+
+
+def test_every_per_request_structure_is_empty_once_idle(cpu_app):
+    """After this module's requests (both routes, failed and migrated ones among them) and a client gone
+    mid-stream, nothing is kept per request: ingress, router, engines, vLLM's own state, staged KV."""
+    url, _ = cpu_app
+    wait_for_decode_nodes(2)
+    body = {"model": MODEL, "prompt": prompt(LONG), "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: "))  # then the client goes away
+    found = wait_for_no_residue(within_s=120)
+    assert {r.process.split("-")[0] for r in found} == {"ingress", "router", "prefill", "decode"}
