@@ -1144,8 +1144,8 @@ def test_every_responses_field_is_served_as_vllm_serves_it_or_refused(cpu_app, v
 
 
 def test_both_faulted_decode_replicas_are_replaced_and_serve_as_before(cpu_app, undisturbed):
-    """Serve replaced the replicas of the two faults above: two decode nodes in the router's view again, and the
-    app serves the deflected prompt as before."""
+    """Serve replaced the replicas of this module's two engine-core faults (dies, hangs): two decode nodes in the
+    router's view again, and the app serves the deflected prompt as before."""
     wait_for_decode_nodes(2)
     assert greedy_text(cpu_app[0], prompt(SHORT), 48) == undisturbed
 
