@@ -2,7 +2,8 @@
 # The whole test suite (`make test`): its layers side by side, in three pytest processes.
 #
 # - the vLLM app layer (`-m "ray and vllm"`): real vLLM engines in Serve apps and Ray actors;
-# - the other live tests: emulated apps on Ray, vLLM engines in process;
+# - the other live tests: emulated apps on Ray, vLLM engines in process; at Ray's workers' niceness (15), so that
+#   the engines it runs in process never starve the vLLM app layer's engines of CPU (a starved engine core looks hung);
 # - the unit layer (no Ray, no vLLM), niced so that it never slows what the live layers wait on.
 # The live layers spend much of their time waiting on clusters and engines to start, stop and answer; side by side,
 # each fills the other's waits. Each process starts Rays of its own (tests/shared_ray.py), on ports of its own.
@@ -22,7 +23,7 @@ trap 'exit 130' INT TERM
 pytest=(.venv/bin/python -m pytest -p no:cacheprovider)
 nice -n 19 "${pytest[@]}" -m unit -q --durations=10 "$@" >"$logs/unit" 2>&1 &
 unit=$!
-"${pytest[@]}" -m "(ray or vllm) and not (ray and vllm)" --durations=20 "$@" >"$logs/live" 2>&1 &
+nice -n 15 "${pytest[@]}" -m "(ray or vllm) and not (ray and vllm)" --durations=20 "$@" >"$logs/live" 2>&1 &
 live=$!
 jobs_started=("$unit" "$live")
 "${pytest[@]}" -m "ray and vllm" --durations=20 "$@"
