@@ -276,7 +276,7 @@ def fault_mid_stream(url: str, reference: str, signum: int) -> None:
     def inject(node: str) -> None:
         pid = faults.engine_pid("kairos", node)
         os.kill(pid, signum)
-        stopped.append((node, pid))
+        stopped.append(pid)
 
     try:
         streamed, node, count = disturbed_stream(url, prompt(SHORT), 48, inject)  # deflected: on a decode node
@@ -287,7 +287,7 @@ def fault_mid_stream(url: str, reference: str, signum: int) -> None:
             assert time.monotonic() < deadline, f"{node} still in the router's view"
             time.sleep(0.2)
     finally:
-        for _, pid in stopped:
+        for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
 
