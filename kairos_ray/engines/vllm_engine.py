@@ -79,7 +79,7 @@ from kairos_ray.engines import EngineUnhealthy, NodeSpec, check_schedule, withou
 from kairos_ray.engines.reporting import StateReporter
 from kairos_ray.engines.vllm_args import GUARD_KEY, JOIN_KEY, SCHEDULE_KEY, guard_spec, join_spec, priced_with
 from kairos_ray.engines.vllm_events import KVEventMirror, events_config, events_endpoint, mirrorable
-from kairos_ray.engines.vllm_worker import EXTENSION as SEEDED_CHUNKS
+from kairos_ray.engines.vllm_worker import EXTENSION as KAIROS_WORKER
 from kairos_ray.kv import KAIROS_CONNECTOR, KVBytes, KVLost, KVTransport, build_transport
 from kairos_ray.kv.staging import HOLD_KEY, SKIP_TOKENS, Staging, node_staging, remote_decode_params
 from kairos_ray.messages import (
@@ -108,8 +108,9 @@ def engine_args(
 
     Prefill nodes get the Kairos KV connector as producer (keeping a request's
     blocks until the decode node has its KV if ``hold_blocks``), decode nodes
-    as consumer plus the chunk-schedule scheduler and the worker extension
-    that lets seeded requests prefill in chunks on CPU (``engines.vllm_worker``).
+    as consumer plus the chunk-schedule scheduler; both the worker extension
+    that lets seeded requests prefill in chunks and workers idle on CPU
+    (``engines.vllm_worker``).
     A ``kv_transfer_config`` in ``engine_kwargs`` (e.g. vLLM's
     ``NixlConnector``) replaces the Kairos one.
     """
@@ -127,9 +128,9 @@ def engine_args(
         "enable_logging_iteration_details": True,  # each step's time and token counts, for the router
         **engine_kwargs,
     }
+    args.setdefault("worker_extension_cls", KAIROS_WORKER)
     if role is Role.DECODE:
         args.setdefault("scheduler_cls", SCHEDULER)
-        args.setdefault("worker_extension_cls", SEEDED_CHUNKS)
     return args
 
 
@@ -272,8 +273,10 @@ class VllmEngine:
             self.reporter.cache = JournaledBlockCache(int(cache.block_size))
             self.events = KVEventMirror(self.reporter.cache, endpoint, on_change=self.reporter.report)
             self.events.start()
-        if self.args.get("worker_extension_cls") == SEEDED_CHUNKS:
-            await self.llm.collective_rpc("rewind_cpu_generators")
+        if self.args.get("worker_extension_cls") == KAIROS_WORKER:
+            await self.llm.collective_rpc("spin_briefly")
+            if self.role is Role.DECODE:
+                await self.llm.collective_rpc("rewind_cpu_generators")
         self._progress_s = time.monotonic()
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 

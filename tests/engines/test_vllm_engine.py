@@ -19,6 +19,7 @@ from kairos_ray.core import StepLatencyModel
 from kairos_ray.engines.reporting import StateReporter
 from kairos_ray.engines.vllm_args import join_spec
 from kairos_ray.engines.vllm_engine import VllmEngine
+from kairos_ray.engines.vllm_worker import IDLE_SPIN_S
 from kairos_ray.kv.channel import ChannelTicket, KVChannel
 from kairos_ray.messages import EngineRequest, KVHandoff, Role
 from tests import shared_ray
@@ -341,6 +342,12 @@ def test_a_handoff_is_held_with_the_model_the_router_priced_its_node_with(nodes,
     joined, decoded, order = joined_under_a_tight_guard(run, prefill, decode, 810, priced_by_router=True)
     assert len(decoded) == 256 and joined == reference[1]
     assert order.index("joiner") == len(decoded)
+
+
+def test_every_nodes_cpu_workers_stop_spinning_soon_after_their_steps(nodes):
+    run, prefill, decode, _ = nodes
+    for engine in (prefill, decode):
+        assert run(engine.llm.collective_rpc("spin_bound_s")) == [IDLE_SPIN_S]
 
 
 def test_cpu_engines_of_a_host_spread_over_its_cores(monkeypatch):

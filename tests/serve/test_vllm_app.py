@@ -43,7 +43,7 @@ from kairos_ray.bench import faults
 from kairos_ray.bench.local import free_port
 from kairos_ray.messages import Role
 from kairos_ray.serve.args import AppArgs
-from tests.serve.conftest import CPU_CONTEXT, CPU_MODEL, cpu_args, use_policy, wait_for_no_residue
+from tests.serve.conftest import CONFIGS, CPU_CONTEXT, CPU_MODEL, cpu_args, use_policy, wait_for_no_residue
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
@@ -84,8 +84,9 @@ def prompt(words: int) -> str:
 
 @pytest.fixture(scope="module")
 def vllm_server_process(tmp_path_factory):
-    """vLLM's OpenAI server on the app's model and engine arguments, started before the app (``routes_fixed``) so
-    that the two start side by side: (process, base URL, log file); stopped with the module.
+    """vLLM's OpenAI server (``tests/serve/vllm_server.py``) on the app's model and engine arguments, started
+    before the app (``routes_fixed``) so that the two start side by side: (process, base URL, log file); stopped
+    with the module.
 
     It prefills every prompt in one step: vLLM's CPU engine dies on a seeded
     request prefilled in several (the app's engines have that fixed,
@@ -98,13 +99,15 @@ def vllm_server_process(tmp_path_factory):
         flags += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
     port = free_port()
     # at the niceness of Ray's workers, so that neither starves the other's engines on two cores
-    command = ["nice", "-n", "15", sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+    command = ["nice", "-n", "15", sys.executable, "-m", "tests.serve.vllm_server", "--model",
                pool.model_loading_config.source, "--served-model-name", MODEL, "--host", "127.0.0.1",
                "--port", str(port), *flags]  # fmt: skip
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"}
     with log.open("w") as out:
-        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        server = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=CONFIGS.parent
+        )
     try:
         yield server, f"http://127.0.0.1:{port}", log
     finally:
