@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite (`make test`): its layers side by side, in three pytest processes.
 #
-# - the vLLM app layer (`-m "ray and vllm"`): real vLLM engines in Serve apps and Ray actors;
+# - the vLLM app layer (`-m "(ray and vllm) or in_vllm_layer"`): real vLLM engines in Serve apps and Ray actors, and the live tests
+#   marked `in_vllm_layer`, which even out the two live layers' times;
 # - the other live tests: emulated apps on Ray, vLLM engines in process; at Ray's workers' niceness (15), so that
 #   the engines it runs in process never starve the vLLM app layer's engines of CPU (a starved engine core looks hung);
 # - the unit layer (no Ray, no vLLM), niced so that it never slows what the live layers wait on.
@@ -23,10 +24,11 @@ trap 'exit 130' INT TERM
 pytest=(.venv/bin/python -m pytest -p no:cacheprovider)
 nice -n 19 "${pytest[@]}" -m unit -q --durations=10 "$@" >"$logs/unit" 2>&1 &
 unit=$!
-nice -n 15 "${pytest[@]}" -m "(ray or vllm) and not (ray and vllm)" --durations=20 "$@" >"$logs/live" 2>&1 &
+nice -n 15 "${pytest[@]}" -m "(ray or vllm) and not (ray and vllm) and not in_vllm_layer" --durations=20 "$@" \
+    >"$logs/live" 2>&1 &
 live=$!
 jobs_started=("$unit" "$live")
-"${pytest[@]}" -m "ray and vllm" --durations=20 "$@"
+"${pytest[@]}" -m "(ray and vllm) or in_vllm_layer" --durations=20 "$@"
 statuses=($?)
 for pid in "$live" "$unit"; do
     wait "$pid"

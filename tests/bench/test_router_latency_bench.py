@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.ray
+# ``make test`` runs it beside the vLLM app's modules: it starts a Ray of its own, and the other live layer took
+# longer than the vLLM app layer
+pytestmark = [pytest.mark.ray, pytest.mark.in_vllm_layer]
 
 
 def test_router_latency_bench_prints_latency_and_ceilings():
