@@ -100,6 +100,7 @@ def node_groups(monkeypatch):
 
 @pytest.mark.ray
 @pytest.mark.own_ray
+@pytest.mark.in_vllm_layer  # the other live layer takes longer than the vLLM app layer
 def test_sustained_burst_adds_a_prefill_replica_and_quiet_removes_it(node_groups):
     port = free_port()
     args = app_args(max_in_flight=1024)  # admission is not under test: the whole burst is admitted, however slow
