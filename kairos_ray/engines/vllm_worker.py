@@ -23,7 +23,10 @@ wakes it: the next step's instructions come sooner, and a GPU host has a core
 to spare. CPU engines share their host's cores with each other, so that
 second is taken from the other engines' steps. ``KairosWorker`` (every node's
 extension) has ``spin_briefly`` cut the spin to ``IDLE_SPIN_S`` on CPU, long
-enough to span the gap between one request's steps.
+enough to span the gap between one request's steps. Some spin must stay:
+with none, vLLM 0.32's readers miss notifications sent in quick succession
+(its publisher keeps at most one in flight) and sleep to their five-second
+recheck.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ class SeededChunks:
         runner._bookkeeping_sync = bookkeeping_restoring_state
 
 
-def spin_briefly(seconds: float = IDLE_SPIN_S) -> float | None:
+def spin_briefly(seconds: float = IDLE_SPIN_S) -> float:
     """Make this process's readers of vLLM's shared-memory queues spin at most ``seconds`` before they sleep.
 
     vLLM spins for a second after each read; a reader that sleeps is woken by
@@ -85,7 +88,7 @@ def spin_briefly(seconds: float = IDLE_SPIN_S) -> float | None:
         wait = condition.wait
 
         def wait_spinning_briefly(self: Any, timeout_ms: int | None = None) -> None:
-            self.busy_loop_s = min(self.busy_loop_s, condition.kairos_spin_s)
+            self.busy_loop_s = condition.kairos_spin_s
             wait(self, timeout_ms)
 
         condition.wait = wait_spinning_briefly
