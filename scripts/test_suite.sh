@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite (`make test`): its layers side by side, in three pytest processes.
 #
-# - the vLLM app layer (`-m "(ray and vllm) or in_vllm_layer"`): real vLLM engines in Serve apps and Ray actors, and the live tests
-#   marked `in_vllm_layer`, which even out the two live layers' times;
+# - the vLLM app layer (`-m "(ray and vllm) or in_vllm_layer"`): real vLLM engines in Serve apps and Ray actors,
+#   and the live tests marked `in_vllm_layer`, which even out the two live layers' times;
 # - the other live tests: emulated apps on Ray, vLLM engines in process; at Ray's workers' niceness (15), so that
 #   the engines it runs in process never starve the vLLM app layer's engines of CPU (a starved engine core looks hung);
 # - the unit layer (no Ray, no vLLM), niced so that it never slows what the live layers wait on.
