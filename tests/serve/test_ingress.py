@@ -9,6 +9,8 @@ import asyncio
 import dataclasses
 import functools
 import json
+import subprocess
+import sys
 import types
 
 import pytest
@@ -588,3 +590,18 @@ def test_a_prompts_other_samples_start_once_its_first_has_its_first_token():
     assert [first.token_id for (first,) in firsts] == [0, 1, 2, 3] and sorted(started) == [0, 1, 2, 3]
     assert [first.prompt_logprobs for (first,) in firsts] == [prompt_entries()] * 2 + [()] * 2
     assert [run.held_on for run in runs] == ["", "decode-0", "", "decode-2"]
+
+
+def test_an_ingress_replica_imports_no_scikit_learn():
+    """An ingress replica's first import is ``serve.ingress``: vLLM's protocol comes with it, and through vLLM's
+    config transformers' assisted generation, which imports scikit-learn when it is installed (as here, for the
+    fitter). The replica must load neither it nor its SciPy metrics; scikit-learn stays importable in it."""
+    probe = (
+        "import sys; import kairos_ray.serve.ingress; "
+        "print('transformers.generation.candidate_generator' in sys.modules, "
+        "sorted(m for m in sys.modules if m.split('.')[0] == 'sklearn')); "
+        "import sklearn.metrics; print(sklearn.metrics.roc_curve.__name__)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines() == ["True []", "roc_curve"]
