@@ -23,9 +23,9 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from sklearn.linear_model import LinearRegression
 
 from kairos_ray.core.latency import FEATURE_NAMES, FloatArray, StepLatencyModel, features
 
@@ -111,6 +111,14 @@ def write_table(path: str | Path, table: ProfileTable) -> None:
             writer.writerow([int(b), int(k), int(chi), int(p), f"{step:.6g}"])
 
 
+def linear_regression() -> Any:
+    """scikit-learn's ``LinearRegression``, imported when first asked for: an ingress or engine replica imports
+    this module through the router's actor class (Ray loads it to call the actor) and never fits."""
+    from sklearn.linear_model import LinearRegression
+
+    return LinearRegression
+
+
 def fit(
     table: ProfileTable, holdout: float = 0.2, seed: int = 0, non_negative: bool = True, tile_tokens: int = 1
 ) -> FitResult:
@@ -127,7 +135,7 @@ def fit(
     # The columns span some ten orders of magnitude (1 to chi * K); scaled to at most 1, the solver treats them alike.
     scale = np.abs(design).max(axis=0)
     scale[scale == 0] = 1.0
-    regression = LinearRegression(fit_intercept=False, positive=non_negative)
+    regression = linear_regression()(fit_intercept=False, positive=non_negative)
     regression.fit(design / scale, train.step_s)
     model = StepLatencyModel.from_coefficients(regression.coef_ / scale, tile_tokens)
     mape = float(np.mean(np.abs(test.design(tile_tokens) @ model.coefficients - test.step_s) / test.step_s))

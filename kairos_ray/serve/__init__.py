@@ -22,8 +22,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kairos_ray.serve.lean_transformers import hide_sklearn_from_transformers
+
 if TYPE_CHECKING:
     from kairos_ray.serve.app import CLUSTER_ENV, REQUEST_TIMEOUT_S, build_app, pool_options, use_cluster_env
+
+hide_sklearn_from_transformers()
 
 __all__ = ["CLUSTER_ENV", "REQUEST_TIMEOUT_S", "build_app", "pool_options", "use_cluster_env"]
 

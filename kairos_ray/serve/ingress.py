@@ -37,9 +37,6 @@ called.
 
 from __future__ import annotations
 
-import kairos_ray.serve.lean_transformers  # noqa: F401  (first: before vLLM is imported)
-
-# isort: split
 import asyncio
 import dataclasses
 import itertools

@@ -1,19 +1,24 @@
-"""Keeps scikit-learn out of the processes that import vLLM to serve its OpenAI protocol.
+"""Keeps scikit-learn out of the replicas that import vLLM.
 
 vLLM's config imports transformers' auto classes, and with them transformers' assisted-generation
-module, which imports ``sklearn.metrics`` whenever scikit-learn is installed; it is, for
-the step-latency fitter (``serve.refit``). The ingress never runs transformers' generation, so
-imported before vLLM this module has transformers' availability check answer no in its process:
-the import is skipped, and scikit-learn itself stays importable for whatever else the process runs.
-Imported after transformers' generation modules it changes nothing (scikit-learn is loaded then).
+module, which imports ``sklearn.metrics`` whenever scikit-learn is installed; it is, for the
+step-latency fitter (``serve.refit``). The ingress and the engines never run transformers'
+generation. ``hide_sklearn_from_transformers`` (called by ``kairos_ray.serve``, the first of the
+package a replica imports, whatever Serve unpickles first) has transformers' availability check
+answer no just before that module loads: the import is skipped, and scikit-learn stays importable
+for whatever else the process runs. A process that never imports transformers pays nothing.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
 import sys
+from collections.abc import Sequence
+from importlib.machinery import ModuleSpec
+from types import ModuleType
 
-import transformers.utils
-from transformers.utils import import_utils
+GENERATION = "transformers.generation.candidate_generator"
 
 
 def _unavailable() -> bool:
@@ -21,6 +26,20 @@ def _unavailable() -> bool:
     return False
 
 
-if "transformers.generation.candidate_generator" not in sys.modules:
-    for module in (transformers.utils, import_utils):  # the name candidate_generator imports, and its definition
-        vars(module)["is_sklearn_available"] = _unavailable
+class _SklearnHidden(importlib.abc.MetaPathFinder):
+    """Finds nothing; on the way to ``GENERATION`` it has ``is_sklearn_available`` answer no, then leaves."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        if fullname == GENERATION:
+            sys.meta_path.remove(self)
+            for name in ("transformers.utils", "transformers.utils.import_utils"):  # the name it imports, its source
+                vars(importlib.import_module(name))["is_sklearn_available"] = _unavailable
+        return None
+
+
+def hide_sklearn_from_transformers() -> None:
+    """Before transformers' generation modules load in this process (once; a no-op after they did)."""
+    if GENERATION not in sys.modules and not any(isinstance(finder, _SklearnHidden) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _SklearnHidden())

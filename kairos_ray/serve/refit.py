@@ -23,7 +23,7 @@ import numpy as np
 
 from kairos_ray.core import StepLatencyModel
 from kairos_ray.messages import StepRecord
-from kairos_ray.profiling.fit import ProfileTable, fit
+from kairos_ray.profiling.fit import ProfileTable, fit, linear_regression
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class OnlineRefit:
     def __init__(self, every: int, window: int = 4096) -> None:
         if every < 1 or window < every:
             raise ValueError(f"need 1 <= every <= window, got every={every}, window={window}")
+        linear_regression()  # scikit-learn's import paid as the router starts, not in its first refit
         self.every = every
         self._rows = np.empty((window, 5))  # B, K, chi, s, P per kept step; the oldest is overwritten first
         self._next = 0  # the row the next step goes to

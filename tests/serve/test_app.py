@@ -13,9 +13,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import ray
 from ray import serve
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from kairos_ray.bench.faults import replica_names
 from kairos_ray.engines.emulated import BLOCK_TOKENS, VOCAB, token_id
 from kairos_ray.messages import LiveState, Role
 
@@ -309,6 +311,29 @@ def test_prefill_nodes_free_handed_off_kv(live_app):
             return
         time.sleep(0.5)
     pytest.fail(f"prefill nodes still hold KV: {pinned}")
+
+
+def test_no_serve_replica_loads_scikit_learn(live_app):
+    """The fitter's scikit-learn is the router's actor's alone: the ingress, the router's Serve replica and the
+    nodes load neither it nor, through vLLM's config, transformers' use of it, in the processes Serve really
+    starts (it unpickles a replica's class and arguments in an order of its own; Ray imports the router's actor
+    class wherever its handle is used)."""
+
+    def loaded(_replica):
+        import sys as replica_sys
+
+        return sorted({name.split(".")[0] for name in replica_sys.modules} & {"sklearn", "vllm", "kairos_ray"})
+
+    names = {
+        deployment: replica_names("kairos", deployment) for deployment in ("Ingress", "Router", "prefill", "decode")
+    }
+    assert all(names.values()), names
+    for deployment, replicas in names.items():
+        for name in replicas:
+            modules = ray.get(ray.get_actor(name, namespace="serve").__ray_call__.remote(loaded), timeout=60)
+            assert "kairos_ray" in modules and "sklearn" not in modules, (name, modules)
+            if deployment == "Ingress":
+                assert "vllm" in modules  # vLLM's OpenAI protocol, the path that used to bring scikit-learn
 
 
 def test_kairos_bench_replays_a_workload_against_the_app(live_app, tmp_path):

@@ -593,11 +593,11 @@ def test_a_prompts_other_samples_start_once_its_first_has_its_first_token():
 
 
 def test_an_ingress_replica_imports_no_scikit_learn():
-    """An ingress replica's first import is ``serve.ingress``: vLLM's protocol comes with it, and through vLLM's
-    config transformers' assisted generation, which imports scikit-learn when it is installed (as here, for the
-    fitter). The replica must load neither it nor its SciPy metrics; scikit-learn stays importable in it."""
+    """An ingress replica imports ``serve.ingress``, vLLM's protocol with it (and through vLLM's config transformers'
+    assisted generation, which imports scikit-learn when it is installed, as here for the fitter), and the router's
+    actor class (Ray loads it for the handle's methods). None of it may load scikit-learn, which stays importable."""
     probe = (
-        "import sys; import kairos_ray.serve.ingress; "
+        "import sys; import kairos_ray.serve.ingress, kairos_ray.serve.router; "
         "print('transformers.generation.candidate_generator' in sys.modules, "
         "sorted(m for m in sys.modules if m.split('.')[0] == 'sklearn')); "
         "import sklearn.metrics; print(sklearn.metrics.roc_curve.__name__)"
