@@ -79,6 +79,7 @@ from kairos_ray.engines import EngineUnhealthy, NodeSpec, check_schedule, withou
 from kairos_ray.engines.reporting import StateReporter
 from kairos_ray.engines.vllm_args import GUARD_KEY, JOIN_KEY, SCHEDULE_KEY, guard_spec, join_spec, priced_with
 from kairos_ray.engines.vllm_events import KVEventMirror, events_config, events_endpoint, mirrorable
+from kairos_ray.engines.vllm_parent_watch import PARENT_ENV
 from kairos_ray.engines.vllm_worker import EXTENSION as KAIROS_WORKER
 from kairos_ray.kv import KAIROS_CONNECTOR, KVBytes, KVLost, KVTransport, build_transport
 from kairos_ray.kv.staging import HOLD_KEY, SKIP_TOKENS, Staging, node_staging, remote_decode_params
@@ -261,6 +262,7 @@ class VllmEngine:
             from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
             loggers.append(RayPrometheusStatLogger)
+        os.environ[PARENT_ENV] = str(os.getpid())  # the engine core ends with this process (engines.vllm_parent_watch)
         self.llm = AsyncLLM.from_vllm_config(
             config,
             stat_loggers=loggers,

@@ -350,6 +350,22 @@ def test_every_nodes_cpu_workers_stop_spinning_soon_after_their_steps(nodes):
         assert run(engine.llm.collective_rpc("spin_bound_s")) == [IDLE_SPIN_S]
 
 
+def test_every_nodes_engine_core_knows_the_process_it_ends_with(nodes):
+    """vLLM's plugin in the engine core (``engines.vllm_parent_watch``, tested on real processes beside) watches
+    the process named in its environment: the one that started it, here this test's."""
+    import os
+
+    from kairos_ray.engines.vllm_parent_watch import PARENT_ENV
+
+    _, prefill, decode, _ = nodes
+    for engine in (prefill, decode):
+        (core,) = engine.engine_pids()
+        with open(f"/proc/{core}/environ", "rb") as environ:
+            assert f"{PARENT_ENV}={os.getpid()}".encode() in environ.read().split(b"\0")
+        with open(f"/proc/{core}/stat") as stat:
+            assert int(stat.read().rsplit(")", 1)[1].split()[1]) == os.getpid()  # its parent
+
+
 def test_cpu_engines_of_a_host_spread_over_its_cores(monkeypatch):
     import os
 
