@@ -18,6 +18,8 @@ import signal
 import threading
 import time
 
+import psutil
+
 PARENT_ENV = "KAIROS_ENGINE_PARENT"  # the pid of the replica process that starts an engine core
 POLL_S = 1.0  # how often the engine core looks for its parent
 GRACE_S = 10.0  # how long a shutdown may take before the engine core is killed
@@ -31,18 +33,8 @@ def end_with_parent() -> None:
     parent = int(value)
     if os.getppid() == parent:
         threading.Thread(target=_watch, args=(parent,), name="kairos-parent-watch", daemon=True).start()
-    elif not _alive(parent):  # the replica died while the engine core started: before its watch could begin
+    elif not psutil.pid_exists(parent):  # the replica died while the engine core started: before its watch could begin
         _end()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
 
 
 def _watch(parent: int) -> None:

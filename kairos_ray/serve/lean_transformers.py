@@ -40,6 +40,6 @@ class _SklearnHidden(importlib.abc.MetaPathFinder):
 
 
 def hide_sklearn_from_transformers() -> None:
-    """Before transformers' generation modules load in this process (once; a no-op after they did)."""
-    if GENERATION not in sys.modules and not any(isinstance(finder, _SklearnHidden) for finder in sys.meta_path):
+    """Before transformers' generation modules load in this process (a no-op after they did)."""
+    if GENERATION not in sys.modules:
         sys.meta_path.insert(0, _SklearnHidden())

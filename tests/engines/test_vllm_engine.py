@@ -360,6 +360,7 @@ def test_every_nodes_engine_core_knows_the_process_it_ends_with(nodes):
     _, prefill, decode, _ = nodes
     for engine in (prefill, decode):
         (core,) = engine.engine_pids()
+        # read raw: vLLM's process title overwrites the block's start, which psutil's environ() then reads as empty
         with open(f"/proc/{core}/environ", "rb") as environ:
             assert f"{PARENT_ENV}={os.getpid()}".encode() in environ.read().split(b"\0")
         with open(f"/proc/{core}/stat") as stat:

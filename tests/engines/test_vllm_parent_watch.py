@@ -11,6 +11,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 
 from kairos_ray.engines.vllm_parent_watch import PARENT_ENV, end_with_parent
@@ -31,9 +32,8 @@ REPLICA = textwrap.dedent(f"""
 def alive(pid: int) -> bool:
     """Running, not a zombie waiting for its new parent to reap it."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
         return False
 
 
